@@ -1,0 +1,1 @@
+"""reinforce: a Kubernetes-native REINFORCE (RLOO) RLHF pipeline."""

@@ -1,0 +1,75 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Prompt(_message.Message):
+    __slots__ = ("id", "step", "policy_version", "text", "token_ids", "num_samples", "seed")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    step: int
+    policy_version: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_samples: int
+    seed: int
+    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "reward", "is_end", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    IS_END_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reward: float
+    is_end: bool
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., is_end: _Optional[bool] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RolloutGroup(_message.Message):
+    __slots__ = ("prompt_id", "step", "policy_version", "prompt_text", "prompt_token_ids", "samples", "generator_id", "generate_seconds", "reward_seconds")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    step: int
+    policy_version: int
+    prompt_text: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    generator_id: str
+    generate_seconds: float
+    reward_seconds: float
+    def __init__(self, prompt_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generate_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ...) -> None: ...
+
+class WeightVersion(_message.Message):
+    __slots__ = ("version", "uri", "sha256", "num_bytes", "published_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    uri: str
+    sha256: str
+    num_bytes: int
+    published_at: float
+    def __init__(self, version: _Optional[int] = ..., uri: _Optional[str] = ..., sha256: _Optional[str] = ..., num_bytes: _Optional[int] = ..., published_at: _Optional[float] = ...) -> None: ...
