@@ -88,6 +88,8 @@ class RewardSpec(_Section):
 
 
 class DataSpec(_Section):
+    """The prompts the trainer feeds, and how they are tokenised."""
+
     prompts: str = Field(
         ..., description="Prompt file: JSON lines with a `prompt` field, or plain text with one prompt per line."
     )
@@ -113,6 +115,8 @@ class AlgorithmSpec(_Section):
 
 
 class GenerationSpec(_Section):
+    """Sampling by the generators."""
+
     max_new_tokens: int = Field(48, ge=1, description="Response length limit; a response that hits it did not end.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
@@ -123,9 +127,13 @@ class GenerationSpec(_Section):
 
 
 class TrainingSpec(_Section):
+    """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
+
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    micro_batch_prompts: int = Field(
+        2, ge=1, description="Prompts (whole groups of k sequences) per forward/backward; gradients accumulate."
+    )
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -192,3 +200,40 @@ def load_spec(path: str | Path) -> RunSpec:
 
 def dump_spec(spec: RunSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """The spec reference table of the README, generated from the model (tests check the README is current)."""
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    _reference_rows(RunSpec, "", rows)
+    return "\n".join(rows)
+
+
+def _reference_rows(model: type[BaseModel], prefix: str, rows: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        path = prefix + name
+        annotation = field.annotation
+        sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
+        default = "required" if field.is_required() else _default_text(field)
+        if sections:
+            rows.append(f"| `{path}` | section | {default} | {sections[0].__doc__.strip().splitlines()[0]} |")
+            _reference_rows(sections[0], path + ".", rows)
+        else:
+            meaning = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{path}` | {_type_text(annotation)} | {default} | {meaning} |")
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, _Section)
+
+
+def _default_text(field: Any) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "defaults" if isinstance(value, _Section) else f"`{value!r}`"
+    return f"`{field.default!r}`"
+
+
+def _type_text(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return f"`{text}`".replace("|", "\\|")

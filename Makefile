@@ -1,0 +1,32 @@
+# The README's commands. `make quickstart` and `make test` install everything on a fresh machine first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install quickstart tiny test lint proto
+
+install: $(VENV)/.installed
+
+# torch is pinned and installed first: anything that depends on an unpinned torch would pull GBs of CUDA.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) scripts/install_system.py
+	touch $@
+
+quickstart: install
+	$(VENV)/bin/reinforce run examples/quickstart.yaml --overwrite
+
+tiny: install
+	$(VENV)/bin/reinforce run examples/tiny.yaml --overwrite
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# Regenerate services/core/records_pb2.py after editing proto/reinforce/v1/records.proto.
+proto: install
+	$(PY) -m grpc_tools.protoc -Iproto/reinforce/v1 --python_out=services/core --pyi_out=services/core records.proto

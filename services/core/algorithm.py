@@ -1,0 +1,99 @@
+"""REINFORCE with a leave-one-out (RLOO) baseline and a KL penalty to the reference policy.
+
+The algorithm of NeMo-Aligner's REINFORCE, written to be read top to bottom. For a prompt x, k responses
+y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen initial policy.
+
+    d_t                = log pi(y_t) - log pi_ref(y_t)                        (response tokens only)
+    KL_i               = masked mean over t of  |d_t|  (k1, use_absolute_kl)   or  d_t  (k1)
+                                               d_t^2 / 2  (k2)   or   exp(-d_t) - 1 + d_t  (k3)
+    rewards_with_kl_i  = r_i - beta * KL_i
+    b_i                = mean of rewards_with_kl_j over the properly-ended j != i    (M >= 2 ended)
+                       = rewards_with_kl_i                                            (M < 2: no signal)
+    A_i                = rewards_with_kl_i - b_i                 (a constant: it carries no gradient)
+    loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i
+
+N is the number of response tokens in the whole step's batch, so the loss is the masked token mean and
+gradient accumulation over micro-batches adds up to exactly the full-batch gradient.
+
+One deliberate difference from NeMo-Aligner: for a sample that did not end, NeMo-Aligner divides the sum of
+the ended others by M - 1 although there are M of them, overstating its baseline; we use the true mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
+    """Mean of `values` where mask is 1; 0 where a row has no unmasked entry (an empty response).
+
+    Padded positions are replaced, not multiplied by 0: padding may hold inf (exp of garbage), and inf * 0 = nan.
+    """
+    mask = mask.bool()
+    return torch.where(mask, values, 0.0).sum(dim) / mask.sum(dim).clamp(min=1).to(values.dtype)
+
+
+def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator, use_absolute_kl: bool) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from d_t = log pi(y_t) - log pi_ref(y_t), y_t ~ pi."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d.abs() if use_absolute_kl else d
+    if estimator == "k2":
+        return d.square() / 2
+    if estimator == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown kl_estimator {estimator!r} (expected k1, k2 or k3)")
+
+
+def sequence_kl(
+    logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: KLEstimator, use_absolute_kl: bool
+) -> Tensor:
+    """KL_i: the masked mean over each response's tokens. Shapes [B, T] -> [B]."""
+    return masked_mean(kl_per_token(logprobs, ref_logprobs, estimator, use_absolute_kl), mask)
+
+
+def rloo_baseline(rewards_with_kl: Tensor, is_end: Tensor) -> Tensor:
+    """b_i for groups laid out as [num_prompts, k]: the mean over the *other properly-ended* samples.
+
+    A prompt with fewer than two ended samples has no trustworthy baseline, so b_i = rewards_with_kl_i and its
+    advantages are zero. Samples that did not end still get a baseline (the mean of all ended ones).
+    """
+    ended = is_end.to(rewards_with_kl.dtype)
+    num_ended = ended.sum(dim=-1, keepdim=True)  # M per prompt
+    others_sum = (rewards_with_kl * ended).sum(dim=-1, keepdim=True) - rewards_with_kl * ended
+    others_count = num_ended - ended  # M - 1 for an ended i, M for an unended i
+    baseline = others_sum / others_count.clamp(min=1.0)
+    return torch.where(num_ended >= 2, baseline, rewards_with_kl)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Per-sample quantities of one step, each [num_prompts, k]."""
+
+    kl: Tensor
+    rewards_with_kl: Tensor
+    baseline: Tensor
+    advantages: Tensor
+
+
+def rloo_advantages(rewards: Tensor, kl: Tensor, is_end: Tensor, kl_penalty: float) -> Advantages:
+    """rewards, kl, is_end: [num_prompts, k]; kl_penalty is beta (initial_policy_kl_penalty)."""
+    rewards_with_kl = rewards - kl_penalty * kl
+    baseline = rloo_baseline(rewards_with_kl, is_end)
+    return Advantages(kl, rewards_with_kl, baseline, (rewards_with_kl - baseline).detach())
+
+
+def policy_gradient_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
+    """The REINFORCE loss of a (micro-)batch: -(1/N) sum mask * log pi * A, with N the step's token count.
+
+    logprobs, mask: [B, T]; advantages: [B]. Summing this over micro-batches gives the step's masked token
+    mean, whatever the micro-batch size.
+    """
+    weighted = torch.where(mask.bool(), logprobs * advantages.detach().unsqueeze(-1), 0.0)
+    return -weighted.sum() / max(num_tokens, 1)

@@ -1,0 +1,161 @@
+"""Prompt data: loading a prompt file, and the trainer's resumable cursor over it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+
+class DataError(ValueError):
+    """A prompt file that cannot be used; the message names the file (and line, where there is one)."""
+
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TEXT_SUFFIXES = (".txt",)
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts of a file, in file order.
+
+    ``.jsonl``: one JSON object per line with a non-empty string ``prompt`` (other fields ignored).
+    ``.txt``: one prompt per line, surrounding whitespace stripped. Blank lines are skipped in both.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in JSONL_SUFFIXES + TEXT_SUFFIXES:
+        raise DataError(f"{path}: unknown prompt file type {suffix!r} (use .jsonl or .txt)")
+    lines = _read_lines(path)
+    parse = _jsonl_prompt if suffix in JSONL_SUFFIXES else _text_prompt
+    prompts = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(parse(line))
+        except DataError as err:
+            raise DataError(f"{path}:{lineno}: {err}") from None
+    if not prompts:
+        raise DataError(f"{path}: no prompts in the file")
+    return prompts
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        # utf-8-sig: files saved by some Windows editors start with a byte-order mark.
+        return path.read_text(encoding="utf-8-sig").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such prompt file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a directory, not a prompt file") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _text_prompt(line: str) -> str:
+    return line.strip()
+
+
+def _jsonl_prompt(line: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"invalid JSON: {err.msg} (column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"expected a JSON object, got {type(record).__name__}")
+    if "prompt" not in record:
+        raise DataError('missing "prompt" field')
+    prompt = record["prompt"]
+    if not isinstance(prompt, str):
+        raise DataError(f'"prompt" must be a string, got {type(prompt).__name__}')
+    if not prompt.strip():
+        raise DataError('"prompt" is empty')
+    return prompt
+
+
+class PromptCursor:
+    """An endless, deterministic stream of prompts: epoch after epoch, each a (seeded) permutation.
+
+    ``epoch`` and ``index`` (position within the epoch) are the data cursor; a checkpoint stores
+    :meth:`state` and :meth:`from_state` continues exactly where it stopped.
+    """
+
+    def __init__(self, prompts: list[str], seed: int, shuffle: bool) -> None:
+        if not prompts:
+            raise DataError("no prompts to iterate over")
+        self.prompts = list(prompts)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    @property
+    def position(self) -> int:
+        """Global index of the next prompt: prompts taken since the start of the run."""
+        return self.epoch * len(self.prompts) + self.index
+
+    def take(self, n: int) -> list[tuple[int, str]]:
+        """The next ``n`` prompts as (global sample index, prompt); crosses epochs as needed."""
+        out = []
+        for _ in range(n):
+            order = self._epoch_order()
+            out.append((self.position, self.prompts[order[self.index]]))
+            self.index += 1
+            if self.index == len(self.prompts):
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable cursor state, with what it depends on (checked by :meth:`from_state`)."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.prompts),
+            "fingerprint": _fingerprint(self.prompts),
+        }
+
+    @classmethod
+    def from_state(cls, prompts: list[str], seed: int, shuffle: bool, state: dict[str, Any]) -> PromptCursor:
+        """A cursor at ``state``; refuses if the prompts, seed or shuffle differ from the saved run's."""
+        cursor = cls(prompts, seed, shuffle)
+        _check_same(state, "seed", seed)
+        _check_same(state, "shuffle", shuffle)
+        _check_same(state, "num_prompts", len(cursor.prompts))
+        _check_same(state, "fingerprint", _fingerprint(cursor.prompts))
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < len(cursor.prompts):
+            raise DataError(f"data cursor out of range: epoch {epoch}, index {index}")
+        cursor.epoch, cursor.index = epoch, index
+        return cursor
+
+    def _epoch_order(self) -> list[int]:
+        # Each epoch's permutation depends only on (seed, epoch): a resumed cursor rebuilds it exactly.
+        if self._order_epoch != self.epoch:
+            self._order = list(range(len(self.prompts)))
+            if self.shuffle:
+                # A string seed is hashed with SHA-512: stable across Python versions and processes.
+                random.Random(f"reinforce-data:{self.seed}:{self.epoch}").shuffle(self._order)
+            self._order_epoch = self.epoch
+        return self._order
+
+
+def _fingerprint(prompts: list[str]) -> str:
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(prompt.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _check_same(state: dict[str, Any], key: str, value: Any) -> None:
+    if key in state and state[key] != value:
+        raise DataError(
+            f"cannot resume the data cursor: {key} was {state[key]!r}, now {value!r} "
+            "(the prompt file or data settings changed since the checkpoint)"
+        )

@@ -1,0 +1,118 @@
+"""Every metric name, defined once.
+
+Step metrics use NeMo-Aligner's names (`train_rollouts/rewards`, ...) in metrics.jsonl; Prometheus gets the same
+name with the prefix `reinforce_` and `/` turned into `_` (`reinforce_train_rollouts_rewards`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "reinforce_"
+
+# name -> meaning. The trainer sets each of these once per step.
+STEP_METRICS: dict[str, str] = {
+    "train_rollouts/rewards": "Mean reward of the step's samples.",
+    "train_rollouts/init_policy_kl": "Mean per-sample KL to the reference policy (the configured estimator).",
+    "train_rollouts/rewards_with_kl": "Mean of reward - beta * KL.",
+    "train_rollouts/fraction_of_samples_properly_ended": "Fraction of samples that emitted EOS or a stop string.",
+    "train_rollouts/response_lengths": "Mean response length in tokens.",
+    "train_rollouts/prompt_lengths": "Mean prompt length in tokens.",
+    "train_rollouts/generation_length": "Mean prompt + response length in tokens.",
+    "train_rollouts/advantages_abs": "Mean absolute RLOO advantage.",
+    "train_rollouts/dropped_nonfinite_rewards": "Samples left out of the step because their reward was NaN or inf.",
+    "train_rollouts/logprob_mismatch": "Mean |generator log-prob - trainer log-prob| of the same tokens and weights.",
+    "train_rollouts/policy_lag": "Mean of (trained weight version - version that sampled the group).",
+    "train_optim/loss": "REINFORCE loss (masked token mean).",
+    "train_optim/grad_norm": "Global gradient norm before clipping.",
+    "train_optim/lr": "Learning rate used by the step.",
+    "timers/rollout_time": "Seconds from enqueueing the step's prompts to receiving its last rollout group.",
+    "timers/generate": "Generator seconds spent sampling the step's groups (summed over generators).",
+    "timers/reward": "Generator seconds spent waiting for the reward server for the step's groups.",
+    "timers/init_logprobs": "Seconds computing the reference policy's log-probs.",
+    "timers/train_time": "Seconds of forward, backward and optimizer step (current log-probs come from this pass).",
+    "timers/weight_publish": "Seconds writing and announcing the new weight version.",
+    "timers/step_time": "Wall seconds of the whole step.",
+    "throughput/generated_tokens_per_second": "Response tokens of the step / generate seconds.",
+    "weights/published_version": "Latest published weight version.",
+    "queue/prompts_pending": "Prompts enqueued but not yet acknowledged by a generator.",
+    "queue/rollouts_waiting": "Rollout groups not yet consumed by the trainer.",
+}
+
+STEP = "step"  # the jsonl key of the step number; Prometheus: reinforce_trainer_step
+
+
+def prometheus_name(name: str) -> str:
+    return PREFIX + name.replace("/", "_")
+
+
+class TrainerMetrics:
+    """The trainer's gauges and its metrics.jsonl, written together so the two never disagree."""
+
+    def __init__(self, jsonl_path: Path, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._gauges = {
+            name: Gauge(prometheus_name(name), doc, registry=self.registry) for name, doc in STEP_METRICS.items()
+        }
+        self._step = Gauge(PREFIX + "trainer_step", "Last completed trainer step.", registry=self.registry)
+        jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self._jsonl: IO[str] = jsonl_path.open("a", buffering=1)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        unknown = set(values) - set(STEP_METRICS)
+        if unknown:
+            raise KeyError(f"undeclared metric names {sorted(unknown)}: add them to STEP_METRICS")
+        for name, value in values.items():
+            self._gauges[name].set(value)
+        self._step.set(step)
+        row = {STEP: step, **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._jsonl.close()
+
+
+class GeneratorMetrics:
+    """A generator's counters; Prometheus only (the trainer's step metrics summarise them per step)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.prompts = Counter(PREFIX + "generator_prompts", "Prompts sampled and pushed.", registry=r)
+        self.samples = Counter(PREFIX + "generator_samples", "Responses sampled.", registry=r)
+        self.tokens = Counter(PREFIX + "generator_tokens", "Response tokens sampled.", registry=r)
+        self.generate_seconds = Counter(
+            PREFIX + "generator_generate_seconds", "Seconds spent sampling.", registry=r
+        )
+        self.reward_seconds = Counter(
+            PREFIX + "generator_reward_seconds", "Seconds waiting for the reward server.", registry=r
+        )
+        self.batch_size = Histogram(
+            PREFIX + "generator_batch_sequences",
+            "Sequences sampled together in one batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.weight_version = Gauge(PREFIX + "generator_weight_version", "Loaded weight version.", registry=r)
+        self.weight_load_seconds = Gauge(
+            PREFIX + "generator_weight_load_seconds", "Seconds the last weight load took.", registry=r
+        )
+        self.nonfinite_rewards = Counter(
+            PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
+        )
+
+
+def read_metrics(jsonl_path: Path) -> list[dict[str, float]]:
+    """The rows of a metrics.jsonl (the supervisor's progress bar, plots and tests read it)."""
+    if not jsonl_path.exists():
+        return []
+    rows = []
+    for line in jsonl_path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows

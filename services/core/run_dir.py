@@ -1,0 +1,50 @@
+"""The layout of a run folder, shared by every process of a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def spec(self) -> Path:
+        """The resolved spec every service reads (absolute paths)."""
+        return self.root / "spec.yaml"
+
+    @property
+    def initial_policy(self) -> Path:
+        """Hugging Face folder of the initial policy: weight version 0 and the reference."""
+        return self.root / "initial_policy"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "reward_kl.png"
+
+    @property
+    def final_model(self) -> Path:
+        """The trained policy in Hugging Face format."""
+        return self.root / "final_model"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def redis(self) -> Path:
+        return self.root / "redis"

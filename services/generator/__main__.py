@@ -1,0 +1,3 @@
+from reinforce.generator.main import main
+
+main()

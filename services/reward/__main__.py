@@ -1,0 +1,3 @@
+from reinforce.reward.main import main
+
+main()

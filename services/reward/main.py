@@ -1,0 +1,163 @@
+"""Reward server: the spec's reward function served by a real Triton server (PyTriton) as model `reward`.
+
+    python -m reinforce.reward --spec SPEC.yaml [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+
+Model `reward`: inputs `prompt` and `response` (BYTES, shape (1,) per row), output `reward` (FP32, shape
+(1,)), Triton's dynamic batcher with the spec's `max_batch_size` and `max_queue_delay_us`. Readiness is
+Triton's own `/v2/health/ready` (and `/v2/models/reward/ready`); once both answer, one line
+`reward server ready: ...` is logged. SIGTERM and SIGINT stop Triton and exit 0.
+
+NaN and inf rewards are passed through as they are. An exception in the reward function becomes an error
+response to every request of that dynamic batch (Triton's batch is the unit of failure); the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from reinforce.core.reward_client import MODEL_NAME, REWARD_FN_FAILED
+from reinforce.core.rewards import RewardFn, build_reward_fn
+from reinforce.core.spec import RewardSpec, SpecError, load_spec
+
+LOG = logging.getLogger("reinforce.reward")
+
+
+class RewardFunctionFailed(RuntimeError):
+    """The reward function raised; its message starts with REWARD_FN_FAILED so clients do not retry."""
+
+
+def ensure_libpython_on_ld_path() -> None:
+    """Put this Python's LIBDIR on LD_LIBRARY_PATH for the Triton child process.
+
+    PyTriton's Python-backend stub links libpython3.x.so dynamically. A pyenv (or any non-system) Python
+    keeps that library in its own LIBDIR, which the dynamic loader does not search, and the stub then dies
+    at start-up. PyTriton copies os.environ when it starts tritonserver, so setting it here is enough.
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not libdir:
+        return
+    parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    if libdir not in parts:
+        os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *parts])
+
+
+def _decode(column: np.ndarray) -> list[str]:
+    # BYTES tensors arrive as an object array of bytes, shape (batch, 1).
+    return [
+        v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in column.reshape(-1)
+    ]
+
+
+def make_infer_fn(reward_fn: RewardFn) -> Any:
+    """The PyTriton inference callable: one call per dynamic batch, all rows scored together."""
+    from pytriton.decorators import batch
+
+    @batch
+    def infer(prompt: np.ndarray, response: np.ndarray) -> dict[str, np.ndarray]:
+        try:
+            rewards = reward_fn(_decode(prompt), _decode(response))
+        except Exception as err:
+            # Raising (not exiting) makes PyTriton answer this batch with an error and keep serving.
+            LOG.exception("reward function failed on a batch of %d rows", len(prompt))
+            raise RewardFunctionFailed(f"{REWARD_FN_FAILED}: {type(err).__name__}: {err}") from None
+        # float32 keeps NaN and inf as they are: the trainer decides what they mean.
+        return {"reward": np.asarray(rewards, dtype=np.float32).reshape(-1, 1)}
+
+    return infer
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m reinforce.reward", description=__doc__.split("\n")[0])
+    parser.add_argument("--spec", required=True, help="Run spec YAML; its `reward:` section is served.")
+    parser.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port.")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port.")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Triton Prometheus metrics port.")
+    parser.add_argument(
+        "--address", default="0.0.0.0", help="Address Triton binds HTTP, gRPC and metrics to."
+    )
+    parser.add_argument("--log-level", default="INFO", help="Python log level.")
+    return parser.parse_args(argv)
+
+
+def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> Any:
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    config = TritonConfig(
+        http_address=args.address,
+        http_port=args.http_port,
+        grpc_address=args.address,
+        grpc_port=args.grpc_port,
+        metrics_address=args.address,
+        metrics_port=args.metrics_port,
+        # Let in-flight requests finish on SIGTERM, but not long enough to outlive a pod's grace period.
+        exit_timeout_secs=5,
+    )
+    triton = Triton(config=config)
+    triton.bind(
+        model_name=MODEL_NAME,
+        infer_func=make_infer_fn(reward_fn),
+        inputs=[
+            Tensor(name="prompt", dtype=bytes, shape=(1,)),
+            Tensor(name="response", dtype=bytes, shape=(1,)),
+        ],
+        outputs=[Tensor(name="reward", dtype=np.float32, shape=(1,))],
+        config=ModelConfig(
+            max_batch_size=spec.max_batch_size,
+            batcher=DynamicBatcher(max_queue_delay_microseconds=spec.max_queue_delay_us),
+        ),
+        strict=True,
+    )
+    return triton
+
+
+def serve(spec: RewardSpec, args: argparse.Namespace) -> int:
+    reward_fn = build_reward_fn(spec)
+    ensure_libpython_on_ld_path()
+    stop = threading.Event()
+    # The handler only sets a flag: stopping Triton from inside a signal handler would re-enter its locks.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.set())
+    started = time.monotonic()
+    triton = _triton(spec, reward_fn, args)
+    try:
+        triton.run()  # starts tritonserver and waits until the server and model `reward` are ready
+        LOG.info(
+            "reward server ready: http=%d grpc=%d metrics=%d model=%s type=%s max_batch_size=%d (%.1f s)",
+            args.http_port, args.grpc_port, args.metrics_port, MODEL_NAME, spec.type, spec.max_batch_size,
+            time.monotonic() - started,
+        )  # fmt: skip
+        while not stop.wait(0.5):
+            if not triton.is_alive():
+                LOG.error("tritonserver exited unexpectedly")
+                return 1
+        LOG.info("stop signal received, shutting down Triton")
+        return 0
+    finally:
+        triton.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        spec = load_spec(args.spec).reward
+    except SpecError as err:
+        print(err, file=sys.stderr)
+        return 2
+    return serve(spec, args)

@@ -1,0 +1,3 @@
+from reinforce.supervisor.main import main
+
+main()

@@ -1,0 +1,307 @@
+"""`reinforce`: the command line. `reinforce run SPEC.yaml` runs a whole pipeline on this machine.
+
+The local supervisor starts the same services a Kubernetes run has, as child processes: redis-server, the
+Triton reward server, N generators and the trainer. It drives weight rollout with the same reconciler the
+operator uses, shows progress, and stops every child when the run ends, fails, or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+from tqdm import tqdm
+
+from reinforce.core.data import DataError, load_prompts
+from reinforce.core.metrics import read_metrics
+from reinforce.core.models import materialize_policy
+from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.rollout import WeightReconciler
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec
+
+log = logging.getLogger("reinforce")
+READY_TIMEOUT_S = 300
+
+
+class RunFailed(RuntimeError):
+    """A component died or never became ready; the message names it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            # own process group: Ctrl-C reaches the supervisor only, which then stops children in order
+            self.process = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def exit_code(self) -> int | None:
+        return self.process.poll() if self.process else None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def failure(self, code: int) -> RunFailed:
+        return RunFailed(
+            f"component {self.name} exited with code {code}; log {self.log_path}, last lines:\n{self.log_tail()}"
+        )
+
+
+def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
+    """Absolute paths, so every process reads the same files whatever its working directory."""
+
+    def local(path: str) -> str:
+        p = Path(path)
+        return str(p if p.is_absolute() else (spec_file.parent / p).resolve())
+
+    policy = spec.policy
+    if policy.path and not policy.path.startswith("package:"):
+        policy = policy.model_copy(update={"path": local(policy.path)})
+    reward = spec.reward
+    if reward.path:
+        reward = reward.model_copy(update={"path": local(reward.path)})
+    return spec.model_copy(
+        update={
+            "run_dir": str(spec.resolved_run_dir().resolve()),
+            "policy": policy,
+            "reward": reward,
+            "data": spec.data.model_copy(update={"prompts": local(spec.data.prompts)}),
+        }
+    )
+
+
+class Supervisor:
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.paths = RunPaths(spec.resolved_run_dir())
+        self.components: list[Component] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def component(self, name: str, argv: list[str]) -> Component:
+        c = Component(name, argv, self.paths.logs / f"{name}.log")
+        c.start(self.env)
+        self.components.append(c)
+        return c
+
+    def wait_until(self, what: Component, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready():
+            code = what.exit_code()
+            if code is not None:
+                raise what.failure(code)
+            if time.monotonic() > deadline:
+                raise RunFailed(f"component {what.name} not ready after {READY_TIMEOUT_S}s; log {what.log_path}")
+            time.sleep(0.2)
+
+    def start_redis(self) -> str:
+        port = free_port()
+        self.paths.redis.mkdir(parents=True, exist_ok=True)
+        # Append-only file, fsync every second: a Redis restart keeps what was acknowledged.
+        c = self.component("redis", [
+            shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+            "--dir", str(self.paths.redis), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        ])
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url)
+        self.wait_until(c, lambda: _redis_pings(client))
+        return url
+
+    def start_reward(self) -> str:
+        http, grpc, metrics = free_port(), free_port(), free_port()
+        c = self.component("reward", [
+            sys.executable, "-m", "reinforce.reward", "--spec", str(self.paths.spec),
+            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        ])
+        url = f"http://127.0.0.1:{http}"
+        self.wait_until(c, lambda: _http_ok(f"{url}/v2/health/ready"))
+        return url
+
+    def start_generators(self, redis_url: str, reward_url: str) -> dict[str, str]:
+        urls = {}
+        for i in range(self.spec.generation.num_generators):
+            name, port = f"generator-{i}", free_port()
+            self.component(name, [
+                sys.executable, "-m", "reinforce.generator", "--spec", str(self.paths.spec),
+                "--redis-url", redis_url, "--reward-url", reward_url, "--port", str(port), "--id", name,
+            ])
+            urls[name] = f"http://127.0.0.1:{port}"
+        for c, url in zip(self.components[-len(urls):], urls.values(), strict=True):
+            self.wait_until(c, lambda url=url: _http_ok(f"{url}/readyz"))
+        return urls
+
+    def run(self) -> None:
+        redis_url = self.start_redis()
+        reward_url = self.start_reward()
+        generator_urls = self.start_generators(redis_url, reward_url)
+        trainer = self.component("trainer", [
+            sys.executable, "-m", "reinforce.trainer", "--spec", str(self.paths.spec), "--redis-url", redis_url,
+            "--metrics-port", str(free_port()),
+        ])
+        reconciler = WeightReconciler(RolloutQueue(connect(redis_url), self.spec.name), generator_urls)
+        try:
+            self.watch(trainer, reconciler)
+        finally:
+            reconciler.close()
+
+    def watch(self, trainer: Component, reconciler: WeightReconciler) -> None:
+        with tqdm(total=self.spec.training.steps, unit="step", dynamic_ncols=True) as bar:
+            while True:
+                code = trainer.exit_code()
+                if code == 0:
+                    _update_bar(bar, self.paths)
+                    return
+                for c in self.components:
+                    code = c.exit_code()
+                    if code is not None:
+                        raise c.failure(code)
+                reconciler.reconcile_once()
+                _update_bar(bar, self.paths)
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        # trainer first (it checkpoints), then generators, reward server, Redis last
+        for c in reversed(self.components):
+            c.stop()
+
+
+def _redis_pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _update_bar(bar: tqdm, paths: RunPaths) -> None:
+    rows = read_metrics(paths.metrics)
+    if not rows or rows[-1]["step"] <= bar.n:
+        return
+    last = rows[-1]
+    bar.update(last["step"] - bar.n)
+    bar.set_postfix(
+        reward=f"{last['train_rollouts/rewards']:.3f}",
+        kl=f"{last['train_rollouts/init_policy_kl']:.4f}",
+        tok_s=f"{last['throughput/generated_tokens_per_second']:.0f}",
+    )
+
+
+def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> RunPaths:
+    paths = RunPaths(spec.resolved_run_dir())
+    started = paths.metrics.exists() or paths.checkpoints.exists()
+    if started and overwrite:
+        shutil.rmtree(paths.root)
+    elif started and not resume:
+        raise RunFailed(
+            f"run folder {paths.root} already holds a run: pass --resume to continue it or --overwrite to start over"
+        )
+    if not resume:
+        shutil.rmtree(paths.redis, ignore_errors=True)  # a fresh run starts from an empty queue
+    paths.root.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.resume:
+        spec_file = RunPaths(Path(args.resume)).spec
+        spec = load_spec(spec_file)
+    else:
+        spec_file = Path(args.spec)
+        spec = resolve_spec(load_spec(spec_file), spec_file)
+    try:
+        load_prompts(spec.data.prompts)  # a bad prompt file fails now, naming file and line
+    except DataError as err:
+        raise SpecError(f"{spec_file}: data.prompts: {err}") from None
+    paths = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)
+    paths.spec.write_text(dump_spec(spec))
+    print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
+    materialize_policy(spec.policy, paths.initial_policy, spec.seed)
+    supervisor = Supervisor(spec)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        supervisor.run()
+    except KeyboardInterrupt:
+        print("interrupted: stopping every component", file=sys.stderr)
+        return 130
+    finally:
+        supervisor.stop()
+    _print_summary(paths)
+    return 0
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _print_summary(paths: RunPaths) -> None:
+    rows = read_metrics(paths.metrics)
+    if not rows:
+        return
+    first, last = rows[0], rows[-1]
+    print(
+        f"done: {last['step']} steps; reward {first['train_rollouts/rewards']:.3f} -> "
+        f"{last['train_rollouts/rewards']:.3f}; KL {last['train_rollouts/init_policy_kl']:.4f}\n"
+        f"  metrics {paths.metrics}\n  plot    {paths.plot}\n  model   {paths.final_model}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="reinforce", description="Kubernetes-native REINFORCE RLHF pipeline.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a whole pipeline locally")
+    run.add_argument("spec", nargs="?", help="run spec YAML (see examples/)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    run.add_argument("--overwrite", action="store_true", help="delete an earlier run in the same run folder")
+    args = parser.parse_args(argv)
+    if bool(args.spec) == bool(args.resume):
+        parser.error("run takes a SPEC file or --resume RUN_DIR")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        sys.exit(run_command(args))
+    except (SpecError, RunFailed) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2 if isinstance(err, SpecError) else 1)

@@ -1,0 +1,3 @@
+from reinforce.trainer.main import main
+
+main()

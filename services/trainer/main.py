@@ -1,0 +1,292 @@
+"""The trainer: feeds prompts, consumes rollout groups, applies REINFORCE (RLOO + KL), publishes weights.
+
+    python -m reinforce.trainer --spec RUN_DIR/spec.yaml --redis-url redis://... [--metrics-port N]
+
+Strictly on-policy (max_policy_lag 0): the prompts of step s are sampled with weight version s, and the
+trainer publishes version s + 1 before it enqueues the prompts of step s + 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import start_http_server
+
+from reinforce.core.algorithm import policy_gradient_loss, rloo_advantages, sequence_kl
+from reinforce.core.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from reinforce.core.data import PromptCursor, load_prompts
+from reinforce.core.metrics import TrainerMetrics
+from reinforce.core.models import encode_prompt, load_policy, load_tokenizer, response_logprobs
+from reinforce.core.plot import plot_metrics
+from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.records_pb2 import Prompt, RolloutGroup
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
+from reinforce.core.weights import publish
+
+log = logging.getLogger("reinforce.trainer")
+CONSUMER = "trainer"
+
+
+def lr_factor(training: TrainingSpec, step: int) -> float:
+    """Linear warm-up to 1, then constant or cosine down to min_lr_ratio at the last step."""
+    if step < training.warmup_steps:
+        return (step + 1) / training.warmup_steps
+    if training.lr_schedule == "constant":
+        return 1.0
+    progress = (step - training.warmup_steps) / max(1, training.steps - training.warmup_steps)
+    return training.min_lr_ratio + (1 - training.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def prompt_seed(run_seed: int, prompt_id: str) -> int:
+    """A sampling seed that depends only on the run and the prompt, so a re-sampled prompt repeats itself."""
+    return int.from_bytes(hashlib.sha256(f"{run_seed}:{prompt_id}".encode()).digest()[:7], "big")
+
+
+@dataclass
+class StepBatch:
+    """One step's rollout groups as tensors, groups in prompt order."""
+
+    groups: list[RolloutGroup]
+    rewards: torch.Tensor  # [G, k]
+    is_end: torch.Tensor  # [G, k] bool; False also for samples dropped for a non-finite reward
+    keep: torch.Tensor  # [G, k] bool; samples that contribute to the loss
+    num_tokens: int  # response tokens of kept samples: the loss normaliser
+
+    @classmethod
+    def from_groups(cls, groups: list[RolloutGroup]) -> StepBatch:
+        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
+        keep = torch.isfinite(rewards)
+        is_end = torch.tensor([[s.is_end for s in g.samples] for g in groups]) & keep
+        lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups])
+        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()))
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, redis_url: str) -> None:
+        self.spec = spec
+        self.paths = RunPaths(spec.resolved_run_dir())
+        torch.manual_seed(spec.seed)
+        self.tokenizer = load_tokenizer(self.paths.initial_policy)
+        self.policy = load_policy(self.paths.initial_policy).train()
+        # The reference is always the initial policy, also after a resume.
+        self.reference = load_policy(self.paths.initial_policy).requires_grad_(False)
+        t = spec.training
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
+        self.cursor = PromptCursor(load_prompts(spec.data.prompts), spec.seed, spec.data.shuffle)
+        self.queue = RolloutQueue(connect(redis_url), spec.name)
+        self.queue.ensure_groups()
+        self.metrics = TrainerMetrics(self.paths.metrics)
+        self.step = 0
+        self.stopping = False
+
+    # ---- run ---------------------------------------------------------------------------------------
+    def resume_if_possible(self) -> None:
+        checkpoints = list_checkpoints(self.paths.checkpoints)
+        if not checkpoints:
+            return
+        state = load_checkpoint(checkpoints[-1], self.policy, self.optimizer, self.scheduler)
+        self.cursor = PromptCursor.from_state(
+            self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
+        )
+        self.step = state.step
+        log.info("resumed from %s at step %d", checkpoints[-1], self.step)
+
+    def run(self) -> None:
+        self.publish_weights()
+        while self.step < self.spec.training.steps and not self.stopping:
+            self.train_step()
+            if self.step % self.spec.training.checkpoint_every == 0 or self.step == self.spec.training.steps:
+                self.checkpoint()
+        if self.step == self.spec.training.steps:
+            self.finish()
+
+    def publish_weights(self) -> float:
+        start = time.perf_counter()
+        weights = publish(self.policy, self.paths.weights, self.step)
+        self.queue.publish_weights(weights)
+        return time.perf_counter() - start
+
+    def checkpoint(self) -> None:
+        state = TrainerState(step=self.step, cursor=self.cursor.state(), weight_version=self.step)
+        path = save_checkpoint(
+            self.paths.checkpoints, state, self.policy, self.optimizer, self.scheduler,
+            self.spec.training.keep_checkpoints,
+        )
+        log.info("checkpoint %s", path)
+
+    def finish(self) -> None:
+        self.policy.save_pretrained(self.paths.final_model)
+        self.tokenizer.save_pretrained(self.paths.final_model)
+        plot_metrics(self.paths.metrics, self.paths.plot)
+        log.info("final model in %s", self.paths.final_model)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def train_step(self) -> None:
+        step_start = time.perf_counter()
+        prompts = self.enqueue_prompts()
+        entry_ids, groups = self.collect_groups(prompts)
+        rollout_time = time.perf_counter() - step_start
+        batch = StepBatch.from_groups(groups)
+        values = self.optimise(batch)
+        self.step += 1
+        values["timers/weight_publish"] = self.publish_weights()
+        # Acknowledge only once the step's effect (the new weights) is written.
+        self.queue.ack_rollouts(entry_ids)
+        values.update(self.rollout_stats(batch, rollout_time))
+        values["timers/step_time"] = time.perf_counter() - step_start
+        self.metrics.record(self.step, values)
+        log.info(
+            "step %d reward %.4f kl %.4f loss %.4f",
+            self.step, values["train_rollouts/rewards"], values["train_rollouts/init_policy_kl"],
+            values["train_optim/loss"],
+        )
+
+    def enqueue_prompts(self) -> list[Prompt]:
+        k = self.spec.algorithm.num_rollouts_per_prompt
+        prompts = []
+        for i, (_, text) in enumerate(self.cursor.take(self.spec.training.prompts_per_step)):
+            prompt_id = f"{self.step}-{i}"
+            prompts.append(
+                Prompt(
+                    id=prompt_id, step=self.step, policy_version=self.step, text=text, num_samples=k,
+                    token_ids=encode_prompt(self.tokenizer, text, self.spec.data),
+                    seed=prompt_seed(self.spec.seed, prompt_id),
+                )
+            )
+        self.queue.put_prompts(prompts)
+        return prompts
+
+    def collect_groups(self, prompts: list[Prompt]) -> tuple[list[str], list[RolloutGroup]]:
+        """Wait for one group per prompt of this step; anything else on the stream is stale and acked away."""
+        order = {p.id: i for i, p in enumerate(prompts)}
+        groups: dict[str, RolloutGroup] = {}
+        entry_ids: list[str] = []
+        while len(groups) < len(prompts):
+            if self.stopping:
+                raise SystemExit(0)
+            for entry_id, group in self.queue.read_rollouts(CONSUMER, count=len(prompts), block_ms=1000):
+                if group.prompt_id in order and group.prompt_id not in groups:
+                    groups[group.prompt_id] = group
+                    entry_ids.append(entry_id)
+                else:
+                    log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
+                    self.queue.ack_rollouts([entry_id])
+        return entry_ids, sorted(groups.values(), key=lambda g: order[g.prompt_id])
+
+    def optimise(self, batch: StepBatch) -> dict[str, float]:
+        """One optimisation pass over the step's groups, micro-batched by whole groups (RLOO needs them)."""
+        alg, t = self.spec.algorithm, self.spec.training
+        self.optimizer.zero_grad(set_to_none=True)
+        kl_all, rwk_all, adv_all = [], [], []
+        loss_total, mismatch_sum, ref_seconds = 0.0, 0.0, 0.0
+        train_start = time.perf_counter()
+        for start in range(0, len(batch.groups), t.micro_batch_prompts):
+            rows = slice(start, start + t.micro_batch_prompts)
+            groups = batch.groups[rows]
+            prompt_ids = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
+            response_ids = [list(s.token_ids) for g in groups for s in g.samples]
+            ref_start = time.perf_counter()
+            with torch.no_grad():
+                ref_logprobs, _ = response_logprobs(
+                    self.reference, prompt_ids, response_ids, self.spec.generation.temperature
+                )
+            ref_seconds += time.perf_counter() - ref_start
+            logprobs, mask = response_logprobs(
+                self.policy, prompt_ids, response_ids, self.spec.generation.temperature
+            )
+            shape = batch.rewards[rows].shape
+            kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
+            adv = rloo_advantages(batch.rewards[rows], kl.view(shape), batch.is_end[rows],
+                                  alg.initial_policy_kl_penalty)
+            loss_mask = mask * batch.keep[rows].reshape(-1, 1)
+            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, batch.num_tokens)
+            loss.backward()
+            loss_total += loss.item()
+            mismatch_sum += _logprob_mismatch_sum(logprobs.detach(), mask, groups)
+            kl_all.append(adv.kl)
+            rwk_all.append(adv.rewards_with_kl)
+            adv_all.append(adv.advantages)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        keep = batch.keep
+        total_tokens = sum(len(s.token_ids) for g in batch.groups for s in g.samples)
+        return {
+            "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
+            "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
+            "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
+            "train_rollouts/logprob_mismatch": mismatch_sum / max(total_tokens, 1),
+            "train_optim/loss": loss_total,
+            "train_optim/grad_norm": grad_norm.item(),
+            "train_optim/lr": lr,
+            "timers/init_logprobs": ref_seconds,
+            "timers/train_time": time.perf_counter() - train_start - ref_seconds,
+        }
+
+    def rollout_stats(self, batch: StepBatch, rollout_time: float) -> dict[str, float]:
+        samples = [s for g in batch.groups for s in g.samples]
+        response_lengths = [len(s.token_ids) for s in samples]
+        prompt_lengths = [len(g.prompt_token_ids) for g in batch.groups for _ in g.samples]
+        generate = sum(g.generate_seconds for g in batch.groups)
+        depths = self.queue.depths()
+        return {
+            "train_rollouts/rewards": batch.rewards[batch.keep].mean().item(),
+            "train_rollouts/fraction_of_samples_properly_ended": sum(s.is_end for s in samples) / len(samples),
+            "train_rollouts/response_lengths": _mean(response_lengths),
+            "train_rollouts/prompt_lengths": _mean(prompt_lengths),
+            "train_rollouts/generation_length": _mean([a + b for a, b in zip(prompt_lengths, response_lengths)]),
+            "train_rollouts/dropped_nonfinite_rewards": float((~batch.keep).sum()),
+            "train_rollouts/policy_lag": _mean([self.step - 1 - g.policy_version for g in batch.groups]),
+            "timers/rollout_time": rollout_time,
+            "timers/generate": generate,
+            "timers/reward": sum(g.reward_seconds for g in batch.groups),
+            "throughput/generated_tokens_per_second": sum(response_lengths) / generate if generate else 0.0,
+            "weights/published_version": float(self.step),
+            "queue/prompts_pending": float(depths["prompts_pending"]),
+            "queue/rollouts_waiting": float(depths["rollouts_waiting"]),
+        }
+
+
+def _mean(values: list[float] | list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _logprob_mismatch_sum(trainer_logprobs: torch.Tensor, mask: torch.Tensor, groups: list[RolloutGroup]) -> float:
+    """Sum over response tokens of |generator log-prob - trainer log-prob| (train/inference mismatch)."""
+    generator = torch.zeros_like(trainer_logprobs)
+    for row, sample in enumerate(s for g in groups for s in g.samples):
+        generator[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
+    return torch.where(mask.bool(), (generator - trainer_logprobs).abs(), 0.0).sum().item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reinforce.trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    trainer = Trainer(load_spec(args.spec), args.redis_url)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=trainer.metrics.registry)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping after the current step", signum)
+        trainer.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    trainer.resume_if_possible()
+    trainer.run()
+    trainer.metrics.close()

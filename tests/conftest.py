@@ -1,0 +1,84 @@
+"""Shared fixtures: a real redis-server per test session. Other test files add their own fixtures."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    client = redis.Redis.from_url(url, socket_timeout=1.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {proc.returncode}")
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server at {url} did not answer PING within {timeout_s} s")
+    finally:
+        client.close()
+
+
+def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    # The free port can be taken by another process before redis binds it: try a few.
+    for _ in range(3):
+        port = free_port()
+        cmd = [REDIS_SERVER, "--save", "", "--appendonly", "no", "--port", str(port), "--dir", str(workdir)]
+        cmd += ["--bind", "127.0.0.1", "--logfile", str(workdir / "redis.log")]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+        try:
+            _wait_for_ping(url, proc)
+            return proc, url
+        except RuntimeError:
+            _stop(proc)
+    raise RuntimeError(f"could not start redis-server; see {workdir / 'redis.log'}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()  # SIGTERM: redis shuts down cleanly, and with --save "" it writes nothing
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a throwaway redis-server (no persistence) that lives for the whole session."""
+    proc, url = _start_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield url
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    """The session's redis URL, emptied before the test."""
+    client = redis.Redis.from_url(redis_server)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    yield redis_server

@@ -1,0 +1,240 @@
+"""The Redis Streams rollout queue against a real redis-server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from reinforce.core.queue import GENERATORS_GROUP, RolloutQueue, connect
+from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = connect(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def queue(client: redis.Redis) -> RolloutQueue:
+    q = RolloutQueue(client, "test-run")
+    q.ensure_groups()
+    return q
+
+
+def make_prompt(i: int) -> Prompt:
+    return Prompt(
+        id=f"0-{i}", step=0, policy_version=1, text=f"prompt {i}", token_ids=[1, 2, i], num_samples=2, seed=i
+    )
+
+
+def make_group(i: int) -> RolloutGroup:
+    samples = [
+        Sample(token_ids=[5, 6], logprobs=[-0.5, -1.25], reward=0.75, is_end=True, text="yes"),
+        Sample(token_ids=[7], logprobs=[-2.0], reward=-0.5, is_end=False, text="n"),
+    ]
+    return RolloutGroup(
+        prompt_id=f"0-{i}", step=0, policy_version=1, prompt_text=f"prompt {i}", prompt_token_ids=[1, 2],
+        samples=samples, generator_id="gen-0", generate_seconds=0.25, reward_seconds=0.125,
+    )  # fmt: skip
+
+
+def test_prompts_round_trip_in_order(queue: RolloutQueue) -> None:
+    prompts = [make_prompt(i) for i in range(3)]
+    ids = queue.put_prompts(prompts)
+    got = queue.read_prompts("gen-a", count=10, block_ms=0)
+    assert [entry_id for entry_id, _ in got] == ids
+    assert [p for _, p in got] == prompts
+    assert queue.ack_prompts(ids) == 3
+    assert queue.read_prompts("gen-a", count=10, block_ms=0) == []
+    assert queue.depths()["prompts"] == 0
+
+
+def test_rollouts_round_trip(queue: RolloutQueue) -> None:
+    groups = [make_group(i) for i in range(2)]
+    ids = [queue.put_rollout(g) for g in groups]
+    got = queue.read_rollouts("trainer-0", count=5, block_ms=0)
+    assert got == list(zip(ids, groups, strict=True))
+    assert got[0][1].samples[0].logprobs == [-0.5, -1.25]
+    assert queue.ack_rollouts(ids) == 2
+    assert queue.ack_rollouts(ids) == 0  # already acknowledged
+
+
+def test_entries_put_before_the_groups_exist_are_delivered(client: redis.Redis) -> None:
+    q = RolloutQueue(client, "late-groups")
+    q.put_prompts([make_prompt(0)])
+    q.ensure_groups()
+    q.ensure_groups()  # idempotent
+    assert [p.id for _, p in q.read_prompts("g", 5, 0)] == ["0-0"]
+
+
+def test_two_consumers_share_prompts_without_duplicates(queue: RolloutQueue) -> None:
+    queue.put_prompts([make_prompt(i) for i in range(10)])
+    first = queue.read_prompts("gen-a", count=4, block_ms=0)
+    second = queue.read_prompts("gen-b", count=10, block_ms=0)
+    ids_a = {p.id for _, p in first}
+    ids_b = {p.id for _, p in second}
+    assert len(ids_a) == 4 and len(ids_b) == 6
+    assert ids_a.isdisjoint(ids_b)
+    assert ids_a | ids_b == {f"0-{i}" for i in range(10)}
+
+
+def test_dead_consumers_prompts_are_reclaimed_after_min_idle(queue: RolloutQueue) -> None:
+    queue.put_prompts([make_prompt(i) for i in range(3)])
+    taken = queue.read_prompts("gen-dead", count=3, block_ms=0)
+    assert queue.reclaim_prompts("gen-alive", min_idle_ms=60_000, count=10) == []  # not idle long enough
+    time.sleep(0.1)
+    reclaimed = queue.reclaim_prompts("gen-alive", min_idle_ms=50, count=10)
+    assert reclaimed == taken
+    assert queue.read_prompts("gen-alive", count=10, block_ms=0) == []  # reclaim is not a new delivery
+    assert queue.ack_prompts([entry_id for entry_id, _ in reclaimed]) == 3
+    assert queue.ack_prompts([entry_id for entry_id, _ in taken]) == 0  # the dead one's late ack is a no-op
+
+
+def test_reclaim_respects_count(queue: RolloutQueue) -> None:
+    queue.put_prompts([make_prompt(i) for i in range(5)])
+    queue.read_prompts("gen-dead", count=5, block_ms=0)
+    time.sleep(0.05)
+    assert len(queue.reclaim_prompts("gen-alive", min_idle_ms=10, count=2)) == 2
+    assert len(queue.reclaim_prompts("gen-other", min_idle_ms=10_000, count=10)) == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"data": b"\xff\xff\xff garbage"}, "cannot decode Prompt"),
+        ({"other": b"x"}, "missing 'data' field"),
+        ({"data": b""}, "empty id"),
+    ],
+)
+def test_malformed_prompt_goes_to_dead_letter(
+    queue: RolloutQueue, client: redis.Redis, fields: dict[str, bytes], reason: str
+) -> None:
+    queue.put_prompts([make_prompt(1)])
+    bad_id = client.xadd(queue.prompts_key, fields).decode()
+    queue.put_prompts([make_prompt(2)])
+    got = queue.read_prompts("gen-a", count=10, block_ms=0)
+    assert [p.id for _, p in got] == ["0-1", "0-2"]
+    assert queue.dead_letters() == 1
+    [(_, letter)] = client.xrange(queue.deadletter_key)
+    assert letter[b"stream"] == queue.prompts_key.encode()
+    assert letter[b"entry_id"] == bad_id.encode()
+    assert reason in letter[b"reason"].decode()
+    assert letter[b"data"] == fields.get("data", b"")
+    depths = queue.depths()
+    assert (depths["prompts_pending"], depths["deadletter"]) == (2, 1)  # the bad entry was acked
+
+
+def test_malformed_rollout_goes_to_dead_letter(queue: RolloutQueue, client: redis.Redis) -> None:
+    client.xadd(queue.rollouts_key, {"data": b"\x08"})  # truncated varint
+    queue.put_rollout(make_group(3))
+    got = queue.read_rollouts("trainer-0", count=10, block_ms=0)
+    assert [g.prompt_id for _, g in got] == ["0-3"]
+    assert queue.dead_letters() == 1
+
+
+def test_malformed_entry_found_by_reclaim_goes_to_dead_letter(
+    queue: RolloutQueue, client: redis.Redis
+) -> None:
+    client.xadd(queue.prompts_key, {"data": b"\xff\xff"})
+    queue.put_prompts([make_prompt(4)])
+    # A consumer that read the raw entries and died before acking them.
+    client.xreadgroup(GENERATORS_GROUP, "gen-dead", {queue.prompts_key: ">"}, count=10)
+    time.sleep(0.05)
+    got = queue.reclaim_prompts("gen-alive", min_idle_ms=10, count=10)
+    assert [p.id for _, p in got] == ["0-4"]
+    assert queue.dead_letters() == 1
+
+
+def test_runs_do_not_collide(client: redis.Redis) -> None:
+    a, b = RolloutQueue(client, "run-a"), RolloutQueue(client, "run-b")
+    for q in (a, b):
+        q.ensure_groups()
+    a.put_prompts([make_prompt(1)])
+    a.publish_weights(WeightVersion(version=3))
+    assert b.read_prompts("g", 10, 0) == []
+    assert b.latest_weights() is None
+    b.put_prompts([make_prompt(2)])
+    a.delete_run_keys()
+    assert client.keys("reinforce:run-a:*") == []
+    assert [p.id for _, p in b.read_prompts("g", 10, 0)] == ["0-2"]
+
+
+def test_delete_run_keys_removes_every_key(queue: RolloutQueue, client: redis.Redis) -> None:
+    queue.put_prompts([make_prompt(1)])
+    queue.put_rollout(make_group(1))
+    queue.publish_weights(WeightVersion(version=1))
+    client.xadd(queue.prompts_key, {"junk": b"1"})
+    queue.read_prompts("g", 10, 0)  # dead-letters the junk entry
+    assert len(client.keys("reinforce:test-run:*")) == 4
+    assert queue.delete_run_keys() == 4
+    assert client.keys("*") == []
+
+
+def test_latest_weights_round_trip(queue: RolloutQueue) -> None:
+    assert queue.latest_weights() is None
+    queue.publish_weights(WeightVersion(version=1, uri="/w/1.safetensors", sha256="aa", num_bytes=10))
+    latest = WeightVersion(version=2, uri="http://trainer:8000/weights/2", sha256="bb", num_bytes=12,
+                           published_at=1.5)  # fmt: skip
+    queue.publish_weights(latest)
+    assert queue.latest_weights() == latest
+
+
+def test_depths(queue: RolloutQueue) -> None:
+    assert queue.depths() == {
+        "prompts": 0, "prompts_unread": 0, "prompts_pending": 0,
+        "rollouts": 0, "rollouts_unread": 0, "rollouts_pending": 0, "deadletter": 0,
+    }  # fmt: skip
+    queue.put_prompts([make_prompt(i) for i in range(5)])
+    read = queue.read_prompts("g", count=2, block_ms=0)
+    queue.put_rollout(make_group(0))
+    d = queue.depths()
+    assert (d["prompts"], d["prompts_unread"], d["prompts_pending"]) == (5, 3, 2)
+    assert (d["rollouts"], d["rollouts_unread"]) == (1, 1)
+    queue.ack_prompts([entry_id for entry_id, _ in read])
+    assert queue.depths()["prompts"] == 3
+
+
+def test_depths_without_groups(client: redis.Redis) -> None:
+    q = RolloutQueue(client, "no-groups")
+    assert q.depths()["prompts"] == 0
+    q.put_prompts([make_prompt(0)])
+    assert q.depths()["prompts_unread"] == 1
+
+
+def test_blocking_read_is_shortened_to_fit_the_socket_timeout(redis_url: str) -> None:
+    client = connect(redis_url, socket_timeout=0.5)
+    q = RolloutQueue(client, "short-timeout")
+    q.ensure_groups()
+    start = time.monotonic()
+    assert q.read_prompts("g", count=1, block_ms=5_000) == []  # no TimeoutError
+    assert time.monotonic() - start < 0.5
+    client.close()
+
+
+def test_blocking_read_returns_entries(queue: RolloutQueue) -> None:
+    queue.put_rollout(make_group(7))
+    got = queue.read_rollouts("trainer-0", count=1, block_ms=200)
+    assert [g.prompt_id for _, g in got] == ["0-7"]
+
+
+def test_connect_with_password_in_url(redis_url: str, client: redis.Redis) -> None:
+    client.execute_command("ACL", "SETUSER", "alice", "on", ">s3cret", "~*", "&*", "+@all")
+    try:
+        authed = connect(redis_url.replace("redis://", "redis://alice:s3cret@"))
+        assert authed.acl_whoami() == "alice"
+        authed.close()
+        with pytest.raises(redis.AuthenticationError):
+            connect(redis_url.replace("redis://", "redis://alice:wrong@"), retries=0).ping()
+    finally:
+        client.execute_command("ACL", "DELUSER", "alice")
+
+
+def test_rejects_decoding_client_and_bad_run_name(redis_url: str, client: redis.Redis) -> None:
+    with pytest.raises(ValueError, match="decode"):
+        RolloutQueue(redis.Redis.from_url(redis_url, decode_responses=True), "r")
+    with pytest.raises(ValueError, match="run name"):
+        RolloutQueue(client, "a:b*")
