@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from reinforce.core.data import DataError, PromptCursor, load_prompts
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
@@ -128,9 +129,7 @@ def test_cursor_resumes_exactly(stop_after: int) -> None:
         ([*PROMPTS[:-1], "edited"], 11, True, "fingerprint"),
     ],
 )
-def test_cursor_refuses_to_resume_with_other_data(
-    prompts: list[str], seed: int, shuffle: bool, what: str
-) -> None:
+def test_cursor_refuses_to_resume_with_other_data(prompts: list[str], seed: int, shuffle: bool, what: str) -> None:
     state = PromptCursor(PROMPTS, seed=11, shuffle=True).state()
     with pytest.raises(DataError, match=what):
         PromptCursor.from_state(prompts, seed, shuffle, state)

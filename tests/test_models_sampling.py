@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from reinforce.core.models import (
     MARKER,
     encode_prompt,
@@ -17,7 +19,6 @@ from reinforce.core.models import (
 )
 from reinforce.core.sampling import _filter, sample
 from reinforce.core.spec import DataSpec, GenerationSpec, PolicySpec, RandomInit
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PLAIN = DataSpec(prompts="unused", chat_template=False, max_prompt_tokens=64)
 TEXTS = ["hello there, friend", "ok", "what is the weather like today?"]

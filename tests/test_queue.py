@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+
 from reinforce.core.queue import GENERATORS_GROUP, RolloutQueue, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
 
@@ -26,9 +27,7 @@ def queue(client: redis.Redis) -> RolloutQueue:
 
 
 def make_prompt(i: int) -> Prompt:
-    return Prompt(
-        id=f"0-{i}", step=0, policy_version=1, text=f"prompt {i}", token_ids=[1, 2, i], num_samples=2, seed=i
-    )
+    return Prompt(id=f"0-{i}", step=0, policy_version=1, text=f"prompt {i}", token_ids=[1, 2, i], num_samples=2, seed=i)
 
 
 def make_group(i: int) -> RolloutGroup:
@@ -136,9 +135,7 @@ def test_malformed_rollout_goes_to_dead_letter(queue: RolloutQueue, client: redi
     assert queue.dead_letters() == 1
 
 
-def test_malformed_entry_found_by_reclaim_goes_to_dead_letter(
-    queue: RolloutQueue, client: redis.Redis
-) -> None:
+def test_malformed_entry_found_by_reclaim_goes_to_dead_letter(queue: RolloutQueue, client: redis.Redis) -> None:
     client.xadd(queue.prompts_key, {"data": b"\xff\xff"})
     queue.put_prompts([make_prompt(4)])
     # A consumer that read the raw entries and died before acking them.

@@ -1,10 +1,10 @@
 """Trainer checkpoints: a folder per step, written to a temporary name and renamed, the last K kept.
 
-    checkpoints/step-000010/
-        model.safetensors    policy weights (safetensors)
-        optimizer.pt         optimizer and scheduler state (tensors and numbers; read with weights_only=True)
-        rng.pt               torch RNG state
-        trainer_state.json   step, data cursor, published weight version
+checkpoints/step-000010/
+    model.safetensors    policy weights (safetensors)
+    optimizer.pt         optimizer and scheduler state (tensors and numbers; read with weights_only=True)
+    rng.pt               torch RNG state
+    trainer_state.json   step, data cursor, published weight version
 """
 
 from __future__ import annotations

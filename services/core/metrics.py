@@ -86,9 +86,7 @@ class GeneratorMetrics:
         self.prompts = Counter(PREFIX + "generator_prompts", "Prompts sampled and pushed.", registry=r)
         self.samples = Counter(PREFIX + "generator_samples", "Responses sampled.", registry=r)
         self.tokens = Counter(PREFIX + "generator_tokens", "Response tokens sampled.", registry=r)
-        self.generate_seconds = Counter(
-            PREFIX + "generator_generate_seconds", "Seconds spent sampling.", registry=r
-        )
+        self.generate_seconds = Counter(PREFIX + "generator_generate_seconds", "Seconds spent sampling.", registry=r)
         self.reward_seconds = Counter(
             PREFIX + "generator_reward_seconds", "Seconds waiting for the reward server.", registry=r
         )

@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from reinforce.core.spec import DataSpec, PolicySpec, RandomInit
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
@@ -25,6 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from reinforce.core.spec import DataSpec, PolicySpec, RandomInit
 
 # Written last (inside the temp folder, before the atomic rename): its presence means "complete".
 MARKER = "reinforce_materialized.json"
@@ -67,8 +68,10 @@ def materialize_policy(spec: PolicySpec, out_dir: Path, seed: int) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         _make_readable(tmp)
+        if _is_complete(out_dir, record):
+            return out_dir  # another process finished while we built; keep its folder, drop ours
         if out_dir.exists():
-            shutil.rmtree(out_dir)  # an incomplete leftover (_is_complete said so)
+            shutil.rmtree(out_dir)  # an incomplete leftover of a crashed attempt
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -94,9 +97,7 @@ def _is_complete(out_dir: Path, record: dict) -> bool:
     found = json.loads(marker.read_text())
     if found != record:
         # Silently reusing a model built from another spec would corrupt the run's reference policy.
-        raise ValueError(
-            f"{out_dir} holds a policy materialised from {found}, not from {record}; use another folder"
-        )
+        raise ValueError(f"{out_dir} holds a policy materialised from {found}, not from {record}; use another folder")
     return True
 
 
@@ -238,9 +239,7 @@ def response_logprobs(
     input_ids, attention = input_ids.to(device), attention.to(device)
     # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
     positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-    hidden = model.base_model(
-        input_ids=input_ids, attention_mask=attention, position_ids=positions
-    ).last_hidden_state
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
 
     rows, cols, targets, mask = _response_positions(prompt_ids, response_ids, device)
     logits = model.lm_head(hidden[rows, cols]).float() / temperature  # [N, V], N = real response tokens

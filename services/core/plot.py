@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display: services and CI are headless
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from reinforce.core.metrics import STEP, read_metrics  # noqa: E402
+from reinforce.core.metrics import STEP, read_metrics
 
 PANELS = (
     ("train_rollouts/rewards", "reward"),

@@ -26,6 +26,7 @@ import redis
 from google.protobuf.message import DecodeError, Message
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
+
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, WeightVersion
 
 GENERATORS_GROUP = "generators"
@@ -223,9 +224,7 @@ class RolloutQueue:
     def _read(
         self, key: str, group: str, consumer: str, count: int, block_ms: int, cls: type[M]
     ) -> list[tuple[str, M]]:
-        reply = self.client.xreadgroup(
-            group, consumer, {key: ">"}, count=count, block=self._block_ms(block_ms)
-        )
+        reply = self.client.xreadgroup(group, consumer, {key: ">"}, count=count, block=self._block_ms(block_ms))
         return self._decode_entries(key, group, _stream_entries(reply), cls)
 
     def _decode_entries(

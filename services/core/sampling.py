@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from reinforce.core.spec import GenerationSpec
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from reinforce.core.spec import GenerationSpec
 
 
 @dataclass

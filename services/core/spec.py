@@ -7,7 +7,7 @@ name the field path, e.g. ``training.lr: Input should be greater than 0``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -91,7 +91,8 @@ class DataSpec(_Section):
     """The prompts the trainer feeds, and how they are tokenised."""
 
     prompts: str = Field(
-        ..., description="Prompt file: JSON lines with a `prompt` field, or plain text with one prompt per line."
+        ...,
+        description="Prompt file: JSON lines with a `prompt` field, or plain text with one prompt per line.",
     )
     chat_template: bool = Field(True, description="Wrap each prompt in the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message for the chat template (None: none).")
@@ -110,7 +111,10 @@ class AlgorithmSpec(_Section):
         "k1", description="k1: d; k2: d^2/2; k3: exp(-d) - 1 + d, with d = log pi - log pi_ref per token."
     )
     max_policy_lag: int = Field(
-        0, ge=0, le=0, description="0: strictly on-policy (the only mode so far; asynchronous mode is planned)."
+        0,
+        ge=0,
+        le=0,
+        description="0: strictly on-policy (the only mode so far; asynchronous mode is planned).",
     )
 
 
@@ -132,7 +136,9 @@ class TrainingSpec(_Section):
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
     micro_batch_prompts: int = Field(
-        2, ge=1, description="Prompts (whole groups of k sequences) per forward/backward; gradients accumulate."
+        2,
+        ge=1,
+        description="Prompts (whole groups of k sequences) per forward/backward; gradients accumulate.",
     )
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -148,8 +154,12 @@ class TrainingSpec(_Section):
 class RunSpec(_Section):
     """A whole run: `reinforce run SPEC.yaml`."""
 
-    name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63,
-                      description="Run name (a DNS label); namespaces the run's Redis keys.")
+    name: str = Field(
+        ...,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="Run name (a DNS label); namespaces the run's Redis keys.",
+    )
     seed: int = Field(0, ge=0, description="Seeds data order, model init and sampling.")
     run_dir: str | None = Field(None, description="Run folder (default: runs/<name>).")
     policy: PolicySpec

@@ -45,7 +45,10 @@ def publish(model: torch.nn.Module, weights_dir: Path, version: int, keep: int =
     os.replace(tmp, path)
     _prune(weights_dir, keep_from=version - keep + 1)
     return WeightVersion(
-        version=version, uri=str(path.resolve()), sha256=digest, num_bytes=path.stat().st_size,
+        version=version,
+        uri=str(path.resolve()),
+        sha256=digest,
+        num_bytes=path.stat().st_size,
         published_at=time.time(),
     )
 
@@ -66,9 +69,7 @@ def load_verified(model: torch.nn.Module, weights: WeightVersion) -> None:
         raise WeightError(f"weight version {weights.version}: file {path} does not exist")
     digest = sha256_of(path)
     if digest != weights.sha256:
-        raise WeightError(
-            f"weight version {weights.version}: sha256 of {path} is {digest}, expected {weights.sha256}"
-        )
+        raise WeightError(f"weight version {weights.version}: sha256 of {path} is {digest}, expected {weights.sha256}")
     try:
         missing, unexpected = load_model(model, str(path), strict=True)
     except Exception as err:  # safetensors raises several types for a truncated or alien file

@@ -111,24 +111,38 @@ class Generator:
         version = self.weights.loaded
         start = time.perf_counter()
         sampled = sample(
-            self.model, self.tokenizer, [list(p.token_ids) for p in prompts],
-            self.spec.algorithm.num_rollouts_per_prompt, self.spec.generation, [p.seed for p in prompts],
+            self.model,
+            self.tokenizer,
+            [list(p.token_ids) for p in prompts],
+            self.spec.algorithm.num_rollouts_per_prompt,
+            self.spec.generation,
+            [p.seed for p in prompts],
         )
         generate_seconds = time.perf_counter() - start
         start = time.perf_counter()
         texts = [s.text for seqs in sampled for s in seqs]
-        rewards = self.reward.score([p.text for p, seqs in zip(prompts, sampled) for _ in seqs], texts)
+        rewards = self.reward.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
         reward_seconds = time.perf_counter() - start
         rewards_iter = iter(rewards)
         for (entry_id, prompt), seqs in zip(entries, sampled, strict=True):
             group = RolloutGroup(
-                prompt_id=prompt.id, step=prompt.step, policy_version=version, prompt_text=prompt.text,
-                prompt_token_ids=prompt.token_ids, generator_id=self.name,
+                prompt_id=prompt.id,
+                step=prompt.step,
+                policy_version=version,
+                prompt_text=prompt.text,
+                prompt_token_ids=prompt.token_ids,
+                generator_id=self.name,
                 # each group's share of the batch's time, so a step's sum is the generators' busy time
-                generate_seconds=generate_seconds / len(entries), reward_seconds=reward_seconds / len(entries),
+                generate_seconds=generate_seconds / len(entries),
+                reward_seconds=reward_seconds / len(entries),
                 samples=[
-                    Sample(token_ids=s.token_ids, logprobs=s.logprobs, reward=next(rewards_iter),
-                           is_end=s.is_end, text=s.text)
+                    Sample(
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        reward=next(rewards_iter),
+                        is_end=s.is_end,
+                        text=s.text,
+                    )
                     for s in seqs
                 ],
             )
@@ -168,8 +182,11 @@ def control_plane(gen: Generator) -> FastAPI:
     def get_weights() -> dict:
         with gen.weights.lock:
             desired = gen.weights.desired.version if gen.weights.desired else None
-            return {"loaded_version": gen.weights.loaded, "desired_version": desired,
-                    "last_error": gen.weights.last_error}
+            return {
+                "loaded_version": gen.weights.loaded,
+                "desired_version": desired,
+                "last_error": gen.weights.last_error,
+            }
 
     @app.post("/v1/weights", status_code=202)
     def post_weights(body: dict, response: Response) -> dict:

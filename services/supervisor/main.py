@@ -136,10 +136,24 @@ class Supervisor:
         port = free_port()
         self.paths.redis.mkdir(parents=True, exist_ok=True)
         # Append-only file, fsync every second: a Redis restart keeps what was acknowledged.
-        c = self.component("redis", [
-            shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
-            "--dir", str(self.paths.redis), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-        ])
+        c = self.component(
+            "redis",
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.paths.redis),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+            ],
+        )
         url = f"redis://127.0.0.1:{port}/0"
         client = redis.Redis.from_url(url)
         self.wait_until(c, lambda: _redis_pings(client))
@@ -147,10 +161,22 @@ class Supervisor:
 
     def start_reward(self) -> str:
         http, grpc, metrics = free_port(), free_port(), free_port()
-        c = self.component("reward", [
-            sys.executable, "-m", "reinforce.reward", "--spec", str(self.paths.spec),
-            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        ])
+        c = self.component(
+            "reward",
+            [
+                sys.executable,
+                "-m",
+                "reinforce.reward",
+                "--spec",
+                str(self.paths.spec),
+                "--http-port",
+                str(http),
+                "--grpc-port",
+                str(grpc),
+                "--metrics-port",
+                str(metrics),
+            ],
+        )
         url = f"http://127.0.0.1:{http}"
         self.wait_until(c, lambda: _http_ok(f"{url}/v2/health/ready"))
         return url
@@ -159,12 +185,26 @@ class Supervisor:
         urls = {}
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
-            self.component(name, [
-                sys.executable, "-m", "reinforce.generator", "--spec", str(self.paths.spec),
-                "--redis-url", redis_url, "--reward-url", reward_url, "--port", str(port), "--id", name,
-            ])
+            self.component(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "reinforce.generator",
+                    "--spec",
+                    str(self.paths.spec),
+                    "--redis-url",
+                    redis_url,
+                    "--reward-url",
+                    reward_url,
+                    "--port",
+                    str(port),
+                    "--id",
+                    name,
+                ],
+            )
             urls[name] = f"http://127.0.0.1:{port}"
-        for c, url in zip(self.components[-len(urls):], urls.values(), strict=True):
+        for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(f"{url}/readyz"))
         return urls
 
@@ -172,10 +212,20 @@ class Supervisor:
         redis_url = self.start_redis()
         reward_url = self.start_reward()
         generator_urls = self.start_generators(redis_url, reward_url)
-        trainer = self.component("trainer", [
-            sys.executable, "-m", "reinforce.trainer", "--spec", str(self.paths.spec), "--redis-url", redis_url,
-            "--metrics-port", str(free_port()),
-        ])
+        trainer = self.component(
+            "trainer",
+            [
+                sys.executable,
+                "-m",
+                "reinforce.trainer",
+                "--spec",
+                str(self.paths.spec),
+                "--redis-url",
+                redis_url,
+                "--metrics-port",
+                str(free_port()),
+            ],
+        )
         reconciler = WeightReconciler(RolloutQueue(connect(redis_url), self.spec.name), generator_urls)
         try:
             self.watch(trainer, reconciler)

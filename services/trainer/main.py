@@ -96,9 +96,7 @@ class Trainer:
         if not checkpoints:
             return
         state = load_checkpoint(checkpoints[-1], self.policy, self.optimizer, self.scheduler)
-        self.cursor = PromptCursor.from_state(
-            self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
-        )
+        self.cursor = PromptCursor.from_state(self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor)
         self.step = state.step
         log.info("resumed from %s at step %d", checkpoints[-1], self.step)
 
@@ -120,7 +118,11 @@ class Trainer:
     def checkpoint(self) -> None:
         state = TrainerState(step=self.step, cursor=self.cursor.state(), weight_version=self.step)
         path = save_checkpoint(
-            self.paths.checkpoints, state, self.policy, self.optimizer, self.scheduler,
+            self.paths.checkpoints,
+            state,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
             self.spec.training.keep_checkpoints,
         )
         log.info("checkpoint %s", path)
@@ -148,7 +150,9 @@ class Trainer:
         self.metrics.record(self.step, values)
         log.info(
             "step %d reward %.4f kl %.4f loss %.4f",
-            self.step, values["train_rollouts/rewards"], values["train_rollouts/init_policy_kl"],
+            self.step,
+            values["train_rollouts/rewards"],
+            values["train_rollouts/init_policy_kl"],
             values["train_optim/loss"],
         )
 
@@ -159,7 +163,11 @@ class Trainer:
             prompt_id = f"{self.step}-{i}"
             prompts.append(
                 Prompt(
-                    id=prompt_id, step=self.step, policy_version=self.step, text=text, num_samples=k,
+                    id=prompt_id,
+                    step=self.step,
+                    policy_version=self.step,
+                    text=text,
+                    num_samples=k,
                     token_ids=encode_prompt(self.tokenizer, text, self.spec.data),
                     seed=prompt_seed(self.spec.seed, prompt_id),
                 )
@@ -202,13 +210,12 @@ class Trainer:
                     self.reference, prompt_ids, response_ids, self.spec.generation.temperature
                 )
             ref_seconds += time.perf_counter() - ref_start
-            logprobs, mask = response_logprobs(
-                self.policy, prompt_ids, response_ids, self.spec.generation.temperature
-            )
+            logprobs, mask = response_logprobs(self.policy, prompt_ids, response_ids, self.spec.generation.temperature)
             shape = batch.rewards[rows].shape
             kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
-            adv = rloo_advantages(batch.rewards[rows], kl.view(shape), batch.is_end[rows],
-                                  alg.initial_policy_kl_penalty)
+            adv = rloo_advantages(
+                batch.rewards[rows], kl.view(shape), batch.is_end[rows], alg.initial_policy_kl_penalty
+            )
             loss_mask = mask * batch.keep[rows].reshape(-1, 1)
             loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, batch.num_tokens)
             loss.backward()
@@ -246,7 +253,9 @@ class Trainer:
             "train_rollouts/fraction_of_samples_properly_ended": sum(s.is_end for s in samples) / len(samples),
             "train_rollouts/response_lengths": _mean(response_lengths),
             "train_rollouts/prompt_lengths": _mean(prompt_lengths),
-            "train_rollouts/generation_length": _mean([a + b for a, b in zip(prompt_lengths, response_lengths)]),
+            "train_rollouts/generation_length": _mean(
+                [a + b for a, b in zip(prompt_lengths, response_lengths, strict=True)]
+            ),
             "train_rollouts/dropped_nonfinite_rewards": float((~batch.keep).sum()),
             "train_rollouts/policy_lag": _mean([self.step - 1 - g.policy_version for g in batch.groups]),
             "timers/rollout_time": rollout_time,
