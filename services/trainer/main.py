@@ -263,8 +263,8 @@ class Trainer:
             "timers/reward": sum(g.reward_seconds for g in batch.groups),
             "throughput/generated_tokens_per_second": sum(response_lengths) / generate if generate else 0.0,
             "weights/published_version": float(self.step),
-            "queue/prompts_pending": float(depths["prompts_pending"]),
-            "queue/rollouts_waiting": float(depths["rollouts_waiting"]),
+            "queue/prompts_pending": float(depths["prompts"]),
+            "queue/rollouts_waiting": float(depths["rollouts_unread"]),
         }
 
 

@@ -1,0 +1,32 @@
+"""Regenerate the README's generated tables (spec reference, metrics) from the code that defines them."""
+
+import re
+import sys
+from pathlib import Path
+
+from reinforce.core.metrics import STEP_METRICS, prometheus_name
+from reinforce.core.spec import reference_markdown
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def metrics_markdown() -> str:
+    rows = ["| metrics.jsonl name | Prometheus name | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | `{prometheus_name(name)}` | {doc} |" for name, doc in STEP_METRICS.items()]
+    return "\n".join(rows)
+
+
+GENERATED = {"spec-reference": reference_markdown, "metrics": metrics_markdown}
+
+
+def render(text: str) -> str:
+    for name, make in GENERATED.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- end:{name} -->)", re.S)
+        if not pattern.search(text):
+            sys.exit(f"README.md lacks the markers of the generated block {name!r}")
+        text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+if __name__ == "__main__":
+    README.write_text(render(README.read_text()))
