@@ -3,8 +3,11 @@
 redis-server, the Triton reward server, a generator and the trainer each run as their own process.
 """
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,48 @@ def test_bad_prompt_file_names_file_and_line(tmp_path):
     result = reinforce("run", str(path), timeout=120)
     assert result.returncode == 2
     assert f"{prompts}:2" in result.stderr
+
+
+def children_of_run(run_dir: Path) -> list[int]:
+    """PIDs of the run's service processes (each gets RUN_DIR/spec.yaml or the run's redis folder)."""
+    found = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    spec = write_spec(tmp_path, training={"steps": 10_000})
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reinforce.supervisor", "run", str(spec)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not read_metrics(RunPaths(run_dir).metrics):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no step finished in time"
+        time.sleep(0.5)
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_a_dead_component_stops_the_run_with_its_name(tmp_path):
+    proc, run_dir = start_long_run(tmp_path)
+    generator = subprocess.run(["pgrep", "-f", "reinforce.generator"], capture_output=True, text=True).stdout
+    pids = [int(p) for p in generator.split() if int(p) in children_of_run(run_dir)]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "component generator-0 exited with code -9" in stderr
+    assert children_of_run(run_dir) == [], "the supervisor left processes behind"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_component(tmp_path):
+    proc, run_dir = start_long_run(tmp_path)
+    assert len(children_of_run(run_dir)) >= 4  # redis, reward, generator, trainer
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "interrupted" in stderr
+    assert children_of_run(run_dir) == []

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
 from reinforce.core.spec import RewardSpec
 
 LOG = logging.getLogger(__name__)
@@ -64,9 +65,7 @@ class RewardClient:
         model_name: str = MODEL_NAME,
     ) -> None:
         if max_batch_size < 1 or concurrency < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError(
-                "RewardClient: max_batch_size and concurrency >= 1, max_retries >= 0, timeout_s > 0"
-            )
+            raise ValueError("RewardClient: max_batch_size and concurrency >= 1, max_retries >= 0, timeout_s > 0")
         self.url = url
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -151,10 +150,7 @@ class RewardClient:
         """One reward per response (NaN and inf come back as the reward function made them)."""
         if len(prompts) != len(responses):
             raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
-        bounds = [
-            (s, min(s + self.max_batch_size, len(prompts)))
-            for s in range(0, len(prompts), self.max_batch_size)
-        ]
+        bounds = [(s, min(s + self.max_batch_size, len(prompts))) for s in range(0, len(prompts), self.max_batch_size)]
         done: dict[int, np.ndarray] = {}
         pending = list(range(len(bounds)))
         for attempt in range(self.max_retries + 1):
@@ -202,9 +198,7 @@ class RewardClient:
                 elif fatal is None:
                     fatal = err
         if fatal is not None:
-            raise RewardServerError(
-                f"reward server at {self.url}: request failed: {_describe(fatal)}"
-            ) from fatal
+            raise RewardServerError(f"reward server at {self.url}: request failed: {_describe(fatal)}") from fatal
         return failures
 
     def _infer(self, prompts: Sequence[str], responses: Sequence[str], lo: int, hi: int) -> np.ndarray:

@@ -75,8 +75,11 @@ def hf_classifier_reward(
     if input not in ("pair", "response"):
         raise RewardError(f"hf_classifier: input must be 'pair' or 'response', got {input!r}")
     # local_files_only: a reward server must never reach for a hub at run time.
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise RewardError(f"hf_classifier: cannot load a sequence classifier from {path}: {err}") from err
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     _ensure_padding(tokenizer, model)
@@ -180,12 +183,8 @@ def build_reward_fn(spec: RewardSpec) -> RewardFn:
     if spec.type == "hf_classifier":
         unknown = set(spec.kwargs) - _HF_OPTIONS
         if unknown:
-            raise RewardError(
-                f"hf_classifier: unknown kwargs {sorted(unknown)} (known: {sorted(_HF_OPTIONS)})"
-            )
+            raise RewardError(f"hf_classifier: unknown kwargs {sorted(unknown)} (known: {sorted(_HF_OPTIONS)})")
         assert spec.path is not None  # the spec's validator guarantees it
-        return checked(
-            hf_classifier_reward(spec.path, spec.label, **spec.kwargs), f"hf_classifier {spec.path}"
-        )
+        return checked(hf_classifier_reward(spec.path, spec.label, **spec.kwargs), f"hf_classifier {spec.path}")
     assert spec.function is not None  # the spec's validator guarantees it
     return checked(python_reward(spec.function, dict(spec.kwargs)), f"reward function {spec.function}")

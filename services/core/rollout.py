@@ -9,6 +9,7 @@ converges again.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -33,21 +34,35 @@ class GeneratorWeights:
 
 
 class WeightReconciler:
-    def __init__(self, queue: RolloutQueue, generator_urls: dict[str, str], timeout_s: float = 5.0) -> None:
+    """Call `reconcile_once` often: it asks the generators only while one is behind, or every `resync_s`."""
+
+    def __init__(
+        self, queue: RolloutQueue, generator_urls: dict[str, str], timeout_s: float = 5.0, resync_s: float = 5.0
+    ) -> None:
         self.queue = queue
         self.generator_urls = generator_urls
         self.client = httpx.Client(timeout=timeout_s)
+        self.resync_s = resync_s
+        self.states: list[GeneratorWeights] = []
+        self._last_pass = -float("inf")
 
     def reconcile_once(self) -> tuple[int | None, list[GeneratorWeights]]:
-        """Returns the published version and each generator's loaded version after this pass."""
+        """Returns the published version and each generator's loaded version as last seen."""
         latest = self.queue.latest_weights()
-        states = []
-        for name, url in self.generator_urls.items():
-            state = self._status(name, url)
-            if latest is not None and state.loaded_version is not None and state.loaded_version < latest.version:
-                self._push(name, url, latest)
-            states.append(state)
-        return (latest.version if latest is not None else None), states
+        version = latest.version if latest is not None else None
+        if self._converged(version) and time.monotonic() - self._last_pass < self.resync_s:
+            return version, self.states
+        self._last_pass = time.monotonic()
+        self.states = [self._status(name, url) for name, url in self.generator_urls.items()]
+        for state in self.states:
+            if version is not None and state.loaded_version is not None and state.loaded_version < version:
+                self._push(state.name, self.generator_urls[state.name], latest)
+        return version, self.states
+
+    def _converged(self, version: int | None) -> bool:
+        return len(self.states) == len(self.generator_urls) and all(
+            s.loaded_version is not None and (version is None or s.loaded_version >= version) for s in self.states
+        )
 
     def _status(self, name: str, url: str) -> GeneratorWeights:
         try:

@@ -95,7 +95,9 @@ class Generator:
         self.reward.wait_ready(deadline_s=300)
         while not self.stopping.is_set():
             self.apply_desired_weights()
-            fresh = self.queue.read_prompts(self.name, count=self.spec.generation.batch_prompts, block_ms=200)
+            # short blocks while prompts wait for weights, so a new version is picked up promptly
+            block_ms = 20 if self.held else 200
+            fresh = self.queue.read_prompts(self.name, count=self.spec.generation.batch_prompts, block_ms=block_ms)
             ready, self.held = self.split_by_version(self.held + fresh)
             if ready:
                 self.process(ready)

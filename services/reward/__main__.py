@@ -1,3 +1,7 @@
+"""`python -m reinforce.reward`: the reward server."""
+
+import sys
+
 from reinforce.reward.main import main
 
-main()
+sys.exit(main())

@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import sysconfig
 import threading
@@ -26,11 +27,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from reinforce.core.reward_client import MODEL_NAME, REWARD_FN_FAILED
-from reinforce.core.rewards import RewardFn, build_reward_fn
+from reinforce.core.rewards import RewardError, RewardFn, build_reward_fn
 from reinforce.core.spec import RewardSpec, SpecError, load_spec
 
 LOG = logging.getLogger("reinforce.reward")
+
+
+class StartupError(RuntimeError):
+    """The server cannot start in this environment (e.g. a port is taken)."""
 
 
 class RewardFunctionFailed(RuntimeError):
@@ -52,11 +58,23 @@ def ensure_libpython_on_ld_path() -> None:
         os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *parts])
 
 
+def check_ports_free(address: str, ports: Sequence[int]) -> None:
+    """Fail fast on a taken port: PyTriton does not notice tritonserver dying of it and waits 120 s."""
+    if len(set(ports)) != len(ports):
+        raise StartupError(f"HTTP, gRPC and metrics ports must differ, got {list(ports)}")
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # SO_REUSEADDR as Triton sets it: a port in TIME_WAIT is usable, a listening one is not.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((address, port))
+            except OSError as err:
+                raise StartupError(f"cannot bind {address}:{port}: {err.strerror}") from None
+
+
 def _decode(column: np.ndarray) -> list[str]:
     # BYTES tensors arrive as an object array of bytes, shape (batch, 1).
-    return [
-        v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in column.reshape(-1)
-    ]
+    return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in column.reshape(-1)]
 
 
 def make_infer_fn(reward_fn: RewardFn) -> Any:
@@ -83,9 +101,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port.")
     parser.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port.")
     parser.add_argument("--metrics-port", type=int, default=8002, help="Triton Prometheus metrics port.")
-    parser.add_argument(
-        "--address", default="0.0.0.0", help="Address Triton binds HTTP, gRPC and metrics to."
-    )
+    parser.add_argument("--address", default="0.0.0.0", help="Address Triton binds HTTP, gRPC and metrics to.")
     parser.add_argument("--log-level", default="INFO", help="Python log level.")
     return parser.parse_args(argv)
 
@@ -124,6 +140,7 @@ def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> 
 
 def serve(spec: RewardSpec, args: argparse.Namespace) -> int:
     reward_fn = build_reward_fn(spec)
+    check_ports_free(args.address, [args.http_port, args.grpc_port, args.metrics_port])
     ensure_libpython_on_ld_path()
     stop = threading.Event()
     # The handler only sets a flag: stopping Triton from inside a signal handler would re-enter its locks.
@@ -157,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         spec = load_spec(args.spec).reward
-    except SpecError as err:
-        print(err, file=sys.stderr)
+        return serve(spec, args)
+    except (SpecError, RewardError, StartupError) as err:
+        # Configuration and environment errors: one clear line, no traceback, a non-zero exit.
+        LOG.error("reward server cannot start: %s", err)
         return 2
-    return serve(spec, args)

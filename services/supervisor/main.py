@@ -233,19 +233,19 @@ class Supervisor:
             reconciler.close()
 
     def watch(self, trainer: Component, reconciler: WeightReconciler) -> None:
-        with tqdm(total=self.spec.training.steps, unit="step", dynamic_ncols=True) as bar:
-            while True:
-                code = trainer.exit_code()
-                if code == 0:
-                    _update_bar(bar, self.paths)
-                    return
+        progress = Progress(self.paths, self.spec.training.steps)
+        try:
+            while trainer.exit_code() != 0:
                 for c in self.components:
                     code = c.exit_code()
                     if code is not None:
                         raise c.failure(code)
                 reconciler.reconcile_once()
-                _update_bar(bar, self.paths)
-                time.sleep(0.2)
+                progress.update()
+                time.sleep(0.05)
+            progress.update()
+        finally:
+            progress.close()
 
     def stop(self) -> None:
         # trainer first (it checkpoints), then generators, reward server, Redis last
@@ -267,17 +267,29 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _update_bar(bar: tqdm, paths: RunPaths) -> None:
-    rows = read_metrics(paths.metrics)
-    if not rows or rows[-1]["step"] <= bar.n:
-        return
-    last = rows[-1]
-    bar.update(last["step"] - bar.n)
-    bar.set_postfix(
-        reward=f"{last['train_rollouts/rewards']:.3f}",
-        kl=f"{last['train_rollouts/init_policy_kl']:.4f}",
-        tok_s=f"{last['throughput/generated_tokens_per_second']:.0f}",
-    )
+class Progress:
+    """The progress bar, fed from metrics.jsonl (re-read only when the trainer has appended to it)."""
+
+    def __init__(self, paths: RunPaths, total_steps: int) -> None:
+        self.paths = paths
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        self._size = 0
+
+    def update(self) -> None:
+        size = self.paths.metrics.stat().st_size if self.paths.metrics.exists() else 0
+        if size == self._size:
+            return
+        self._size = size
+        last = read_metrics(self.paths.metrics)[-1]
+        self.bar.update(last["step"] - self.bar.n)
+        self.bar.set_postfix(
+            reward=f"{last['train_rollouts/rewards']:.3f}",
+            kl=f"{last['train_rollouts/init_policy_kl']:.4f}",
+            tok_s=f"{last['throughput/generated_tokens_per_second']:.0f}",
+        )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> RunPaths:
