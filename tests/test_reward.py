@@ -293,6 +293,7 @@ def test_request_larger_than_the_server_batch_is_refused_without_retries(servers
 def test_char_fraction_with_kwargs_through_server(servers: dict[str, Server]):
     with client(servers["char"]) as rc:
         assert rc.score(["p"] * 3, ["abba", "", "bbb"]) == pytest.approx([0.5, 0.0, 1.0])
+        assert rc.score([], []) == []
 
 
 def test_nan_and_inf_pass_through_the_server(servers: dict[str, Server]):

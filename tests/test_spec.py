@@ -58,14 +58,14 @@ def test_missing_required_section_is_named():
 
 
 def test_unreadable_and_non_yaml_files_name_the_file(tmp_path):
-    with pytest.raises(SpecError, match="nope.yaml: cannot read"):
+    with pytest.raises(SpecError, match=r"nope\.yaml: cannot read"):
         load_spec(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
-    with pytest.raises(SpecError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(SpecError, match=r"bad\.yaml: not valid YAML"):
         load_spec(bad)
     bad.write_text("- a list\n")
-    with pytest.raises(SpecError, match="bad.yaml: a run spec must be a mapping"):
+    with pytest.raises(SpecError, match=r"bad\.yaml: a run spec must be a mapping"):
         load_spec(bad)
 
 

@@ -72,7 +72,11 @@ class RewardSpec(_Section):
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="python: `module:function`, called as f(prompts, responses, **kwargs) -> list of floats.",
     )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="python: keyword arguments of `function`.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="python: keyword arguments of `function`; hf_classifier: `input` (pair or response), "
+        "`batch_size`, `max_length`.",
+    )
     max_batch_size: int = Field(64, ge=1, description="Triton's largest dynamic batch.")
     max_queue_delay_us: int = Field(2000, ge=0, description="Triton dynamic batcher's wait for a fuller batch.")
     timeout_s: float = Field(60.0, gt=0, description="Client timeout of one reward request.")

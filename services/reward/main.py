@@ -3,9 +3,10 @@
     python -m reinforce.reward --spec SPEC.yaml [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 
 Model `reward`: inputs `prompt` and `response` (BYTES, shape (1,) per row), output `reward` (FP32, shape
-(1,)), Triton's dynamic batcher with the spec's `max_batch_size` and `max_queue_delay_us`. Readiness is
-Triton's own `/v2/health/ready` (and `/v2/models/reward/ready`); once both answer, one line
-`reward server ready: ...` is logged. SIGTERM and SIGINT stop Triton and exit 0.
+(1,)), Triton's dynamic batcher with the spec's `max_batch_size` and `max_queue_delay_us`. Once the model
+is loaded, one line `reward server ready: ...` is logged. Probe `/v2/models/reward/ready`: Triton's
+`/v2/health/ready` already answers 200 for a moment before the model is loaded. SIGTERM and SIGINT stop
+Triton and exit 0; a taken port or a bad spec exits 2 at once.
 
 NaN and inf rewards are passed through as they are. An exception in the reward function becomes an error
 response to every request of that dynamic batch (Triton's batch is the unit of failure); the server keeps
@@ -47,8 +48,10 @@ def ensure_libpython_on_ld_path() -> None:
     """Put this Python's LIBDIR on LD_LIBRARY_PATH for the Triton child process.
 
     PyTriton's Python-backend stub links libpython3.x.so dynamically. A pyenv (or any non-system) Python
-    keeps that library in its own LIBDIR, which the dynamic loader does not search, and the stub then dies
-    at start-up. PyTriton copies os.environ when it starts tritonserver, so setting it here is enough.
+    keeps that library in its own LIBDIR, which the dynamic loader does not search: the stub then loads the
+    system's libpython of the same minor version (Debian's 3.11.2 here) against this Python's 3.11.7
+    stdlib, and loading the model fails ("'_thread.RLock' object has no attribute '_recursion_count'").
+    PyTriton copies os.environ when it starts tritonserver, so setting it here, before start, is enough.
     """
     libdir = sysconfig.get_config_var("LIBDIR")
     if not libdir:

@@ -8,6 +8,7 @@ operator uses, shows progress, and stops every child when the run ends, fails, o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -65,14 +66,16 @@ class Component:
         return self.process.poll() if self.process else None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM, then after `grace_s` SIGKILL to the whole process group (Triton runs as a grandchild)."""
+        if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -178,7 +181,8 @@ class Supervisor:
             ],
         )
         url = f"http://127.0.0.1:{http}"
-        self.wait_until(c, lambda: _http_ok(f"{url}/v2/health/ready"))
+        # the model's readiness, not the server's: /v2/health/ready answers 200 before the model has loaded
+        self.wait_until(c, lambda: _http_ok(f"{url}/v2/models/reward/ready"))
         return url
 
     def start_generators(self, redis_url: str, reward_url: str) -> dict[str, str]:
