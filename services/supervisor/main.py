@@ -327,7 +327,9 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
     supervisor = Supervisor(spec)
+    # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         supervisor.run()
     except KeyboardInterrupt:
