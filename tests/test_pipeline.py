@@ -27,7 +27,7 @@ def write_spec(tmp_path: Path, **overrides) -> Path:
     spec["run_dir"] = str(tmp_path / "run")
     spec["data"]["prompts"] = str(EXAMPLES / spec["data"]["prompts"])
     for section, values in overrides.items():
-        spec[section].update(values)
+        spec.setdefault(section, {}).update(values)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -83,8 +83,8 @@ def children_of_run(run_dir: Path) -> list[int]:
     return [int(pid) for pid in found]
 
 
-def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    spec = write_spec(tmp_path, training={"steps": 10_000})
+def start_long_run(tmp_path: Path, **overrides) -> tuple[subprocess.Popen, Path]:
+    spec = write_spec(tmp_path, training={"steps": 10_000}, **overrides)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "reinforce.supervisor", "run", str(spec)],
@@ -100,7 +100,7 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
 
 @pytest.mark.slow
 def test_a_dead_component_stops_the_run_with_its_name(tmp_path):
-    proc, run_dir = start_long_run(tmp_path)
+    proc, run_dir = start_long_run(tmp_path, restart={"max_restarts": 0})
     generator = subprocess.run(["pgrep", "-f", "reinforce.generator"], capture_output=True, text=True).stdout
     pids = [int(p) for p in generator.split() if int(p) in children_of_run(run_dir)]
     assert len(pids) == 1

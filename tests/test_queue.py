@@ -93,6 +93,18 @@ def test_dead_consumers_prompts_are_reclaimed_after_min_idle(queue: RolloutQueue
     assert queue.ack_prompts([entry_id for entry_id, _ in taken]) == 0  # the dead one's late ack is a no-op
 
 
+def test_a_restarted_consumer_reads_its_own_pending_entries(queue: RolloutQueue) -> None:
+    queue.put_prompts([make_prompt(i) for i in range(3)])
+    taken = queue.read_prompts("gen-0", count=2, block_ms=0)
+    assert queue.read_prompts("gen-0", count=10, block_ms=0, pending=True) == taken
+    assert queue.read_prompts("gen-1", count=10, block_ms=0, pending=True) == []
+    queue.ack_prompts([taken[0][0]])
+    assert queue.read_prompts("gen-0", count=10, block_ms=0, pending=True) == taken[1:]
+    queue.put_rollout(make_group(0))
+    [(entry_id, _)] = queue.read_rollouts("trainer", count=5, block_ms=0)
+    assert [e for e, _ in queue.read_rollouts("trainer", count=5, block_ms=0, pending=True)] == [entry_id]
+
+
 def test_reclaim_respects_count(queue: RolloutQueue) -> None:
     queue.put_prompts([make_prompt(i) for i in range(5)])
     queue.read_prompts("gen-dead", count=5, block_ms=0)

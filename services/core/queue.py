@@ -18,6 +18,8 @@ the trainer drops duplicate rollout groups by ``prompt_id``.
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -41,6 +43,20 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 M = TypeVar("M", bound=Message)
 # The field that names a record; an entry whose record lacks it is dead-lettered.
 _IDENTITY = {"Prompt": "id", "RolloutGroup": "prompt_id"}
+
+
+# Services read the Redis URL (it may carry a password) from this variable when --redis-url is not given.
+REDIS_URL_ENV = "REINFORCE_REDIS_URL"
+
+
+def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
+    """--redis-url, defaulting to $REINFORCE_REDIS_URL (which keeps a password off the command line)."""
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get(REDIS_URL_ENV),
+        required=REDIS_URL_ENV not in os.environ,
+        help=f"redis://[:PASSWORD@]HOST:PORT/DB (default: ${REDIS_URL_ENV})",
+    )
 
 
 def connect(url: str, socket_timeout: float = 30.0, retries: int = 5) -> redis.Redis:
@@ -108,9 +124,13 @@ class RolloutQueue:
             pipe.xadd(self.prompts_key, {DATA_FIELD: prompt.SerializeToString()})
         return [_text(entry_id) for entry_id in pipe.execute()]
 
-    def read_prompts(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, Prompt]]:
-        """Up to ``count`` prompts never delivered before; waits up to ``block_ms`` (0: do not wait)."""
-        return self._read(self.prompts_key, GENERATORS_GROUP, consumer, count, block_ms, Prompt)
+    def read_prompts(self, consumer: str, count: int, block_ms: int, pending: bool = False) -> list[tuple[str, Prompt]]:
+        """Up to ``count`` prompts never delivered before; waits up to ``block_ms`` (0: do not wait).
+
+        pending=True instead returns the prompts already delivered to ``consumer`` and not acknowledged:
+        a restarted generator (same consumer name) picks up its own unfinished work first.
+        """
+        return self._read(self.prompts_key, GENERATORS_GROUP, consumer, count, block_ms, Prompt, pending)
 
     def ack_prompts(self, entry_ids: Iterable[str]) -> int:
         """Acknowledge (and delete) prompts; returns how many were still pending.
@@ -147,9 +167,14 @@ class RolloutQueue:
     def put_rollout(self, group: RolloutGroup) -> str:
         return _text(self.client.xadd(self.rollouts_key, {DATA_FIELD: group.SerializeToString()}))
 
-    def read_rollouts(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, RolloutGroup]]:
-        """Up to ``count`` rollout groups never delivered before; waits up to ``block_ms`` (0: no wait)."""
-        return self._read(self.rollouts_key, TRAINER_GROUP, consumer, count, block_ms, RolloutGroup)
+    def read_rollouts(
+        self, consumer: str, count: int, block_ms: int, pending: bool = False
+    ) -> list[tuple[str, RolloutGroup]]:
+        """Up to ``count`` rollout groups never delivered before; waits up to ``block_ms`` (0: no wait).
+
+        pending=True: the groups already delivered to ``consumer`` and not acknowledged (see read_prompts).
+        """
+        return self._read(self.rollouts_key, TRAINER_GROUP, consumer, count, block_ms, RolloutGroup, pending)
 
     def ack_rollouts(self, entry_ids: Iterable[str]) -> int:
         return self._ack(self.rollouts_key, TRAINER_GROUP, entry_ids)
@@ -222,9 +247,11 @@ class RolloutQueue:
         return max(min(block_ms, limit_ms - margin), 1)
 
     def _read(
-        self, key: str, group: str, consumer: str, count: int, block_ms: int, cls: type[M]
+        self, key: str, group: str, consumer: str, count: int, block_ms: int, cls: type[M], pending: bool
     ) -> list[tuple[str, M]]:
-        reply = self.client.xreadgroup(group, consumer, {key: ">"}, count=count, block=self._block_ms(block_ms))
+        # ">" asks for new entries; "0" for this consumer's delivered-but-unacknowledged ones (never blocks).
+        start, block = ("0", None) if pending else (">", self._block_ms(block_ms))
+        reply = self.client.xreadgroup(group, consumer, {key: start}, count=count, block=block)
         return self._decode_entries(key, group, _stream_entries(reply), cls)
 
     def _decode_entries(

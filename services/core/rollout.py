@@ -20,6 +20,9 @@ from reinforce.core.records_pb2 import WeightVersion
 
 log = logging.getLogger("reinforce.rollout")
 
+# The shared secret a generator's control endpoint demands (`Authorization: Bearer <token>`).
+CONTROL_TOKEN_ENV = "REINFORCE_CONTROL_TOKEN"
+
 
 def weight_version_json(weights: WeightVersion) -> dict:
     """The body of a generator's POST /v1/weights (proto3 JSON mapping)."""
@@ -37,11 +40,16 @@ class WeightReconciler:
     """Call `reconcile_once` often: it asks the generators only while one is behind, or every `resync_s`."""
 
     def __init__(
-        self, queue: RolloutQueue, generator_urls: dict[str, str], timeout_s: float = 5.0, resync_s: float = 5.0
+        self,
+        queue: RolloutQueue,
+        generator_urls: dict[str, str],
+        control_token: str,
+        timeout_s: float = 5.0,
+        resync_s: float = 5.0,
     ) -> None:
         self.queue = queue
         self.generator_urls = generator_urls
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {control_token}"})
         self.resync_s = resync_s
         self.states: list[GeneratorWeights] = []
         self._last_pass = -float("inf")
@@ -55,13 +63,13 @@ class WeightReconciler:
         self._last_pass = time.monotonic()
         self.states = [self._status(name, url) for name, url in self.generator_urls.items()]
         for state in self.states:
-            if version is not None and state.loaded_version is not None and state.loaded_version < version:
+            if version is not None and state.loaded_version is not None and state.loaded_version != version:
                 self._push(state.name, self.generator_urls[state.name], latest)
         return version, self.states
 
     def _converged(self, version: int | None) -> bool:
         return len(self.states) == len(self.generator_urls) and all(
-            s.loaded_version is not None and (version is None or s.loaded_version >= version) for s in self.states
+            s.loaded_version is not None and (version is None or s.loaded_version == version) for s in self.states
         )
 
     def _status(self, name: str, url: str) -> GeneratorWeights:

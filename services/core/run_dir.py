@@ -33,6 +33,11 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def trained_groups(self) -> Path:
+        """One line per step: the prompt ids of the groups it trained on (an exactly-once audit trail)."""
+        return self.root / "trained_groups.jsonl"
+
+    @property
     def plot(self) -> Path:
         return self.root / "reward_kl.png"
 

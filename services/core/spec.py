@@ -132,6 +132,9 @@ class GenerationSpec(_Section):
     stop_strings: list[str] = Field(default_factory=list, description="A response ends after any of these.")
     num_generators: int = Field(1, ge=1, description="Generator processes the supervisor starts.")
     batch_prompts: int = Field(8, ge=1, description="Prompts a generator samples together (times k sequences).")
+    reclaim_idle_s: float = Field(
+        60.0, gt=0, description="A prompt unacknowledged this long (its generator died) is taken over by another."
+    )
 
 
 class TrainingSpec(_Section):
@@ -155,6 +158,14 @@ class TrainingSpec(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
 
 
+class RestartSpec(_Section):
+    """How the local supervisor restarts a crashed component (Kubernetes' restart policy does it on a cluster)."""
+
+    max_restarts: int = Field(3, ge=0, description="Restarts of one component before the run gives up (0: none).")
+    backoff_s: float = Field(1.0, gt=0, description="Wait before the first restart; doubles with each restart.")
+    max_backoff_s: float = Field(30.0, gt=0, description="Longest wait between restarts.")
+
+
 class RunSpec(_Section):
     """A whole run: `reinforce run SPEC.yaml`."""
 
@@ -172,6 +183,7 @@ class RunSpec(_Section):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    restart: RestartSpec = Field(default_factory=RestartSpec)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

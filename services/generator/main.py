@@ -4,15 +4,19 @@
 
 Control plane (FastAPI, on --port): GET /healthz, GET /readyz, GET /metrics (Prometheus),
 GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between
-batches). A prompt that asks for a newer weight version than the loaded one waits, unacknowledged, until
-that version is loaded; so every sample of a group comes from one version, which the group records.
+batches). Strictly on-policy, a prompt is sampled only with the weight version it names: a prompt for the
+published version waits, unacknowledged, until that version is loaded; a prompt for any other version is
+stale (the trainer moved on, or restarted from an earlier checkpoint) and is acknowledged without work.
+Every sample of a group comes from one version, which the group records.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -20,15 +24,16 @@ from dataclasses import dataclass, field
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from google.protobuf.json_format import ParseDict, ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import load_policy, load_tokenizer
-from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
 from reinforce.core.reward_client import RewardClient
+from reinforce.core.rollout import CONTROL_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.sampling import sample
 from reinforce.core.spec import RunSpec, load_spec
@@ -64,15 +69,15 @@ class Generator:
 
     # ---- weights -----------------------------------------------------------------------------------
     def request_weights(self, weights: WeightVersion) -> None:
+        # The latest request wins, older or newer: a trainer resumed from a checkpoint rolls the version back.
         with self.weights.lock:
-            if self.weights.desired is None or weights.version > self.weights.desired.version:
-                self.weights.desired = weights
+            self.weights.desired = weights
 
     def apply_desired_weights(self) -> None:
-        """Between batches: load the desired version if it is newer; a bad file leaves the old one serving."""
+        """Between batches: load the desired version if it differs; a bad file leaves the old one serving."""
         with self.weights.lock:
             desired = self.weights.desired
-            if desired is None or desired.version <= self.weights.loaded:
+            if desired is None or desired.version == self.weights.loaded:
                 return
         start = time.perf_counter()
         try:
@@ -93,8 +98,14 @@ class Generator:
     # ---- work loop ---------------------------------------------------------------------------------
     def run(self) -> None:
         self.reward.wait_ready(deadline_s=300)
+        # A restarted generator (same name) first takes back the prompts its previous life had not finished.
+        self.held = self.queue.read_prompts(self.name, count=10_000, block_ms=0, pending=True)
+        next_reclaim = time.monotonic()
         while not self.stopping.is_set():
             self.apply_desired_weights()
+            if time.monotonic() >= next_reclaim:
+                self.held += self.reclaim_from_dead_generators()
+                next_reclaim = time.monotonic() + self.spec.generation.reclaim_idle_s / 4
             # short blocks while prompts wait for weights, so a new version is picked up promptly
             block_ms = 20 if self.held else 200
             fresh = self.queue.read_prompts(self.name, count=self.spec.generation.batch_prompts, block_ms=block_ms)
@@ -102,11 +113,30 @@ class Generator:
             if ready:
                 self.process(ready)
 
+    def reclaim_from_dead_generators(self) -> list[tuple[str, Prompt]]:
+        idle_ms = int(self.spec.generation.reclaim_idle_s * 1000)
+        claimed = self.queue.reclaim_prompts(self.name, min_idle_ms=idle_ms, count=self.spec.generation.batch_prompts)
+        held = {entry_id for entry_id, _ in self.held}
+        claimed = [e for e in claimed if e[0] not in held]  # our own held prompts are idle too
+        if claimed:
+            log.info("reclaimed %d prompts from a generator that stopped answering", len(claimed))
+        return claimed
+
     def split_by_version(self, entries: list[tuple[str, Prompt]]) -> tuple[list, list]:
+        """(ready to sample, waiting for their version); stale prompts are acknowledged and dropped."""
+        if not entries:
+            return [], []
+        # The trainer publishes a version before it enqueues that version's prompts, so Redis already
+        # holds the version of any prompt that is current.
+        published = self.queue.latest_weights()
+        current = published.version if published is not None else 0
+        stale = [entry_id for entry_id, p in entries if p.policy_version != current]
+        if stale:
+            log.info("dropping %d stale prompts (published version is %d)", len(stale), current)
+            self.queue.ack_prompts(stale)
+        fresh = [e for e in entries if e[1].policy_version == current]
         loaded = self.weights.loaded
-        ready = [e for e in entries if e[1].policy_version <= loaded]
-        waiting = [e for e in entries if e[1].policy_version > loaded]
-        return ready, waiting
+        return [e for e in fresh if loaded == current], [e for e in fresh if loaded != current]
 
     def process(self, entries: list[tuple[str, Prompt]]) -> None:
         prompts = [p for _, p in entries]
@@ -163,8 +193,14 @@ class Generator:
         self.metrics.nonfinite_rewards.inc(sum(not math.isfinite(r) for r in rewards))
 
 
-def control_plane(gen: Generator) -> FastAPI:
+def control_plane(gen: Generator, token: str) -> FastAPI:
+    """Probes and metrics are open; the weight endpoints demand `Authorization: Bearer <token>`."""
     app = FastAPI(title=f"reinforce generator {gen.name}")
+    expected = f"Bearer {token}".encode()
+
+    def authorized(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(status_code=401, detail="missing or wrong control token")
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -180,7 +216,7 @@ def control_plane(gen: Generator) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(gen.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/weights")
+    @app.get("/v1/weights", dependencies=[Depends(authorized)])
     def get_weights() -> dict:
         with gen.weights.lock:
             desired = gen.weights.desired.version if gen.weights.desired else None
@@ -190,7 +226,7 @@ def control_plane(gen: Generator) -> FastAPI:
                 "last_error": gen.weights.last_error,
             }
 
-    @app.post("/v1/weights", status_code=202)
+    @app.post("/v1/weights", status_code=202, dependencies=[Depends(authorized)])
     def post_weights(body: dict, response: Response) -> dict:
         try:
             weights = ParseDict(body, WeightVersion())
@@ -206,15 +242,19 @@ def control_plane(gen: Generator) -> FastAPI:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reinforce.generator", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    parser.add_argument("--redis-url", required=True)
+    add_redis_url_argument(parser)
     parser.add_argument("--reward-url", required=True, help="Triton HTTP address of the reward server")
     parser.add_argument("--port", type=int, required=True, help="control plane port")
     parser.add_argument("--id", required=True, help="consumer name in the prompts stream's group")
     args = parser.parse_args(argv)
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    if not token:
+        parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
     gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id)
-    server = uvicorn.Server(uvicorn.Config(control_plane(gen), host="0.0.0.0", port=args.port, log_level="warning"))
+    config = uvicorn.Config(control_plane(gen, token), host="0.0.0.0", port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: gen.stopping.set())
     try:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,8 +29,8 @@ from tqdm import tqdm
 from reinforce.core.data import DataError, load_prompts
 from reinforce.core.metrics import read_metrics
 from reinforce.core.models import materialize_policy
-from reinforce.core.queue import RolloutQueue, connect
-from reinforce.core.rollout import WeightReconciler
+from reinforce.core.queue import REDIS_URL_ENV, RolloutQueue, connect
+from reinforce.core.rollout import CONTROL_TOKEN_ENV, WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec
 
@@ -53,6 +54,8 @@ class Component:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic time of a scheduled restart
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +87,10 @@ class Component:
             return "(no log)"
 
     def failure(self, code: int) -> RunFailed:
+        restarted = f" after {self.restarts} restarts" if self.restarts else ""
         return RunFailed(
-            f"component {self.name} exited with code {code}; log {self.log_path}, last lines:\n{self.log_tail()}"
+            f"component {self.name} exited with code {code}{restarted}; giving up. "
+            f"Log {self.log_path}, last lines:\n{self.log_tail()}"
         )
 
 
@@ -135,102 +140,60 @@ class Supervisor:
                 raise RunFailed(f"component {what.name} not ready after {READY_TIMEOUT_S}s; log {what.log_path}")
             time.sleep(0.2)
 
-    def start_redis(self) -> str:
+    def service_argv(self, module: str, **flags: object) -> list[str]:
+        """`python -m MODULE --spec RUN_DIR/spec.yaml --flag value ...` (flag_name -> --flag-name)."""
+        argv = [sys.executable, "-m", module, "--spec", str(self.paths.spec)]
+        for flag, value in flags.items():
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+        return argv
+
+    def start_redis(self) -> None:
         port = free_port()
+        password = secrets.token_urlsafe(24)
         self.paths.redis.mkdir(parents=True, exist_ok=True)
-        # Append-only file, fsync every second: a Redis restart keeps what was acknowledged.
-        c = self.component(
-            "redis",
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.paths.redis),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-            ],
+        # The password goes in a private config file, not on a command line that `ps` shows.
+        config = self.paths.redis / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {self.paths.redis}\nrequirepass {password}\n"
+            # Append-only file, fsync on every write: a Redis crash or restart loses nothing acknowledged.
+            'appendonly yes\nappendfsync always\nsave ""\n'
         )
-        url = f"redis://127.0.0.1:{port}/0"
+        c = self.component("redis", [shutil.which("redis-server") or "redis-server", str(config)])
+        url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.env[REDIS_URL_ENV] = url
         client = redis.Redis.from_url(url)
         self.wait_until(c, lambda: _redis_pings(client))
-        return url
 
     def start_reward(self) -> str:
         http, grpc, metrics = free_port(), free_port(), free_port()
         c = self.component(
-            "reward",
-            [
-                sys.executable,
-                "-m",
-                "reinforce.reward",
-                "--spec",
-                str(self.paths.spec),
-                "--http-port",
-                str(http),
-                "--grpc-port",
-                str(grpc),
-                "--metrics-port",
-                str(metrics),
-            ],
+            "reward", self.service_argv("reinforce.reward", http_port=http, grpc_port=grpc, metrics_port=metrics)
         )
         url = f"http://127.0.0.1:{http}"
         # the model's readiness, not the server's: /v2/health/ready answers 200 before the model has loaded
         self.wait_until(c, lambda: _http_ok(f"{url}/v2/models/reward/ready"))
         return url
 
-    def start_generators(self, redis_url: str, reward_url: str) -> dict[str, str]:
+    def start_generators(self, reward_url: str) -> dict[str, str]:
         urls = {}
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
-            self.component(
-                name,
-                [
-                    sys.executable,
-                    "-m",
-                    "reinforce.generator",
-                    "--spec",
-                    str(self.paths.spec),
-                    "--redis-url",
-                    redis_url,
-                    "--reward-url",
-                    reward_url,
-                    "--port",
-                    str(port),
-                    "--id",
-                    name,
-                ],
-            )
+            self.component(name, self.service_argv("reinforce.generator", reward_url=reward_url, port=port, id=name))
             urls[name] = f"http://127.0.0.1:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(f"{url}/readyz"))
         return urls
 
     def run(self) -> None:
-        redis_url = self.start_redis()
+        self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
+        self.start_redis()
         reward_url = self.start_reward()
-        generator_urls = self.start_generators(redis_url, reward_url)
-        trainer = self.component(
-            "trainer",
-            [
-                sys.executable,
-                "-m",
-                "reinforce.trainer",
-                "--spec",
-                str(self.paths.spec),
-                "--redis-url",
-                redis_url,
-                "--metrics-port",
-                str(free_port()),
-            ],
+        generator_urls = self.start_generators(reward_url)
+        trainer = self.component("trainer", self.service_argv("reinforce.trainer", metrics_port=free_port()))
+        reconciler = WeightReconciler(
+            RolloutQueue(connect(self.env[REDIS_URL_ENV]), self.spec.name), generator_urls, self.env[CONTROL_TOKEN_ENV]
         )
-        reconciler = WeightReconciler(RolloutQueue(connect(redis_url), self.spec.name), generator_urls)
         try:
             self.watch(trainer, reconciler)
         finally:
@@ -241,15 +204,36 @@ class Supervisor:
         try:
             while trainer.exit_code() != 0:
                 for c in self.components:
-                    code = c.exit_code()
-                    if code is not None:
-                        raise c.failure(code)
+                    self.supervise(c)
                 reconciler.reconcile_once()
                 progress.update()
                 time.sleep(0.05)
             progress.update()
         finally:
             progress.close()
+
+    def supervise(self, c: Component) -> None:
+        """Restart a component that exited, with exponential back-off, like a pod's restart policy."""
+        if c.restart_at is not None:
+            if time.monotonic() >= c.restart_at:
+                c.restart_at = None
+                c.start(self.env)
+            return
+        code = c.exit_code()
+        if code is None:
+            return
+        policy = self.spec.restart
+        if c.restarts >= policy.max_restarts:
+            raise c.failure(code)
+        c.stop()  # reap what is left of its process group (Triton runs as a grandchild and holds the ports)
+        delay = min(policy.backoff_s * 2**c.restarts, policy.max_backoff_s)
+        c.restarts += 1
+        c.restart_at = time.monotonic() + delay
+        tqdm.write(
+            f"component {c.name} exited with code {code}; restart {c.restarts} of {policy.max_restarts} "
+            f"in {delay:.1f}s (log {c.log_path})",
+            file=sys.stderr,
+        )
 
     def stop(self) -> None:
         # trainer first (it checkpoints), then generators, reward server, Redis last

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import math
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from prometheus_client import start_http_server
@@ -22,10 +24,10 @@ from prometheus_client import start_http_server
 from reinforce.core.algorithm import policy_gradient_loss, rloo_advantages, sequence_kl
 from reinforce.core.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 from reinforce.core.data import PromptCursor, load_prompts
-from reinforce.core.metrics import TrainerMetrics
+from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import encode_prompt, load_policy, load_tokenizer, response_logprobs
 from reinforce.core.plot import plot_metrics
-from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
@@ -98,7 +100,17 @@ class Trainer:
         state = load_checkpoint(checkpoints[-1], self.policy, self.optimizer, self.scheduler)
         self.cursor = PromptCursor.from_state(self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor)
         self.step = state.step
+        _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
+        _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
         log.info("resumed from %s at step %d", checkpoints[-1], self.step)
+
+    def discard_unfinished_rollouts(self) -> None:
+        """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
+        redone from the checkpoint, with the same prompts and seeds, so they are simply dropped."""
+        stale = self.queue.read_rollouts(CONSUMER, count=100_000, block_ms=0, pending=True)
+        if stale:
+            self.queue.ack_rollouts([entry_id for entry_id, _ in stale])
+            log.info("dropped %d rollout groups of an interrupted step", len(stale))
 
     def run(self) -> None:
         self.publish_weights()
@@ -145,6 +157,7 @@ class Trainer:
         values["timers/weight_publish"] = self.publish_weights()
         # Acknowledge only once the step's effect (the new weights) is written.
         self.queue.ack_rollouts(entry_ids)
+        _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": [g.prompt_id for g in groups]})
         values.update(self.rollout_stats(batch, rollout_time))
         values["timers/step_time"] = time.perf_counter() - step_start
         self.metrics.record(self.step, values)
@@ -268,6 +281,18 @@ class Trainer:
         }
 
 
+def _append_jsonl(path: Path, row: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _truncate_jsonl(path: Path, keep_through_step: int) -> None:
+    """Drop the rows of steps after the checkpoint: those steps are redone after a resume."""
+    if path.exists():
+        rows = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def _mean(values: list[float] | list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -283,7 +308,7 @@ def _logprob_mismatch_sum(trainer_logprobs: torch.Tensor, mask: torch.Tensor, gr
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reinforce.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    parser.add_argument("--redis-url", required=True)
+    add_redis_url_argument(parser)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
@@ -297,5 +322,6 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     trainer.resume_if_possible()
+    trainer.discard_unfinished_rollouts()
     trainer.run()
     trainer.metrics.close()
