@@ -6,37 +6,16 @@ redis-server, the Triton reward server, a generator and the trainer each run as 
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-
-EXAMPLES = Path(__file__).parent.parent / "examples"
-
-
-def write_spec(tmp_path: Path, **overrides) -> Path:
-    spec = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
-    spec["run_dir"] = str(tmp_path / "run")
-    spec["data"]["prompts"] = str(EXAMPLES / spec["data"]["prompts"])
-    for section, values in overrides.items():
-        spec.setdefault(section, {}).update(values)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def reinforce(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reinforce.supervisor", *args], capture_output=True, text=True, timeout=timeout
-    )
+from runs import reinforce, service_pids, start, wait_for_step, write_spec
 
 
 @pytest.mark.slow
@@ -77,46 +56,29 @@ def test_bad_prompt_file_names_file_and_line(tmp_path):
     assert f"{prompts}:2" in result.stderr
 
 
-def children_of_run(run_dir: Path) -> list[int]:
-    """PIDs of the run's Python services: each is given RUN_DIR/spec.yaml (redis-server rewrites its title)."""
-    found = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in found]
-
-
 def start_long_run(tmp_path: Path, **overrides) -> tuple[subprocess.Popen, Path]:
-    spec = write_spec(tmp_path, training={"steps": 10_000}, **overrides)
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reinforce.supervisor", "run", str(spec)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while not read_metrics(RunPaths(run_dir).metrics):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no step finished in time"
-        time.sleep(0.5)
-    return proc, run_dir
+    proc = start("run", str(write_spec(tmp_path, training={"steps": 10_000}, **overrides)))
+    wait_for_step(proc, tmp_path / "run", 1)
+    return proc, tmp_path / "run"
 
 
 @pytest.mark.slow
 def test_a_dead_component_stops_the_run_with_its_name(tmp_path):
     proc, run_dir = start_long_run(tmp_path, restart={"max_restarts": 0})
-    generator = subprocess.run(["pgrep", "-f", "reinforce.generator"], capture_output=True, text=True).stdout
-    pids = [int(p) for p in generator.split() if int(p) in children_of_run(run_dir)]
-    assert len(pids) == 1
-    os.kill(pids[0], signal.SIGKILL)
+    [generator] = service_pids(run_dir, "reinforce.generator")
+    os.kill(generator, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "component generator-0 exited with code -9" in stderr
-    assert children_of_run(run_dir) == [], "the supervisor left processes behind"
+    assert service_pids(run_dir) == [], "the supervisor left processes behind"
 
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_component(tmp_path):
     proc, run_dir = start_long_run(tmp_path)
-    assert len(children_of_run(run_dir)) == 3  # reward, generator, trainer
+    assert len(service_pids(run_dir)) == 3  # reward, generator, trainer
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert "interrupted" in stderr
-    assert children_of_run(run_dir) == []
+    assert service_pids(run_dir) == []

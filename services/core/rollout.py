@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import redis
 from google.protobuf.json_format import MessageToDict
 
 from reinforce.core.queue import RolloutQueue
@@ -56,7 +57,11 @@ class WeightReconciler:
 
     def reconcile_once(self) -> tuple[int | None, list[GeneratorWeights]]:
         """Returns the published version and each generator's loaded version as last seen."""
-        latest = self.queue.latest_weights()
+        try:
+            latest = self.queue.latest_weights()
+        except redis.RedisError as err:  # Redis restarting: converge on a later pass
+            log.warning("cannot read the published weight version: %s", err)
+            return None, self.states
         version = latest.version if latest is not None else None
         if self._converged(version) and time.monotonic() - self._last_pass < self.resync_s:
             return version, self.states

@@ -1,0 +1,65 @@
+"""Helpers for tests that drive `reinforce run` on the tiny example through real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def write_spec(folder: Path, **overrides: dict) -> Path:
+    """examples/tiny.yaml with its run folder in `folder` and any sections updated from `overrides`."""
+    spec = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    spec["run_dir"] = str(folder / "run")
+    spec["data"]["prompts"] = str(EXAMPLES / spec["data"]["prompts"])
+    for section, values in overrides.items():
+        spec.setdefault(section, {}).update(values)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def reinforce(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "reinforce.supervisor", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "reinforce.supervisor", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (rows := read_metrics(RunPaths(run_dir).metrics)) == [] or rows[-1]["step"] < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s}s"
+        time.sleep(0.2)
+
+
+def service_pids(run_dir: Path, module: str = "", name: str = "") -> list[int]:
+    """PIDs of the run's Python services (each is given RUN_DIR/spec.yaml), optionally of one module and name
+    (`python -m MODULE --spec RUN_DIR/spec.yaml ... --id NAME`)."""
+    pattern = f"{module}.*{run_dir}/spec.yaml.*{name}"
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def redis_pid(run_dir: Path) -> int:
+    """redis-server rewrites its title to `redis-server 127.0.0.1:PORT`; the port is in the run's config."""
+    config = (run_dir / "redis" / "redis.conf").read_text()
+    port = next(line.split()[1] for line in config.splitlines() if line.startswith("port "))
+    found = subprocess.run(["pgrep", "-f", f"redis-server 127.0.0.1:{port}"], capture_output=True, text=True)
+    [pid] = found.stdout.split()
+    return int(pid)

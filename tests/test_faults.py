@@ -1,0 +1,114 @@
+"""Nothing lost when anything dies: each component of a tiny run is killed mid-run (SIGKILL) and the run
+still ends with every step trained exactly once; a killed trainer resumes to bit-identical weights."""
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
+from runs import redis_pid, reinforce, service_pids, start, wait_for_step, write_spec
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+SHORT = {"steps": STEPS, "checkpoint_every": 4}
+
+
+def assert_each_step_trained_once(run_dir: Path, prompts_per_step: int = 8) -> None:
+    """The audit trail: steps 1..N, each on its own N prompts, and no prompt id twice."""
+    rows = [json.loads(line) for line in RunPaths(run_dir).trained_groups.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(RunPaths(run_dir).final_model).state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    result = reinforce("run", str(write_spec(folder, training=SHORT)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "run"
+
+
+def kill_mid_run(proc, run_dir: Path, pid_of) -> int:
+    step = random.Random(os.getpid()).randint(2, STEPS - 3)
+    wait_for_step(proc, run_dir, step)
+    os.kill(pid_of(), signal.SIGKILL)
+    return step
+
+
+def test_killed_trainer_resumes_to_identical_weights(tmp_path, uninterrupted):
+    """kill -9 the trainer with restarts off: the run fails; `reinforce run --resume` finishes it exactly."""
+    proc = start("run", str(write_spec(tmp_path, training=SHORT, restart={"max_restarts": 0})))
+    run_dir = tmp_path / "run"
+    killed_at = kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.trainer")[0])
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "component trainer exited with code -9" in stderr
+
+    result = reinforce("run", "--resume", str(run_dir))
+    assert result.returncode == 0, f"killed after step {killed_at}: {result.stderr[-3000:]}"
+    expected, resumed = final_weights(uninterrupted), final_weights(run_dir)
+    diff = max((expected[k] - resumed[k]).abs().max().item() for k in expected)
+    assert diff < 1e-6, f"killed after step {killed_at}: weights differ by {diff}"
+    assert_each_step_trained_once(run_dir)
+    rewards = [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(run_dir).metrics)]
+    assert rewards == pytest.approx(
+        [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(uninterrupted).metrics)]
+    )
+
+
+def test_killed_trainer_is_restarted_and_resumes_on_its_own(tmp_path, uninterrupted):
+    proc = start("run", str(write_spec(tmp_path, training=SHORT)))
+    run_dir = tmp_path / "run"
+    kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.trainer")[0])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "component trainer exited with code -9; restart 1 of 3" in stderr
+    expected, resumed = final_weights(uninterrupted), final_weights(run_dir)
+    assert max((expected[k] - resumed[k]).abs().max().item() for k in expected) < 1e-6
+    assert_each_step_trained_once(run_dir)
+
+
+def test_killed_generator_prompts_are_reclaimed_by_the_other(tmp_path):
+    # The dead generator's restart comes late (60 s back-off), so the living one must reclaim its prompts.
+    spec = write_spec(
+        tmp_path, training=SHORT, generation={"num_generators": 2, "reclaim_idle_s": 2.0},
+        restart={"backoff_s": 60.0, "max_backoff_s": 60.0},
+    )  # fmt: skip
+    proc = start("run", str(spec))
+    run_dir = tmp_path / "run"
+    kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, name="--id generator-1")[0])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "reclaimed" in (RunPaths(run_dir).logs / "generator-0.log").read_text()
+    assert_each_step_trained_once(run_dir)
+
+
+def test_killed_reward_server_is_restarted_and_generators_retry(tmp_path):
+    proc = start("run", str(write_spec(tmp_path, training=SHORT, reward={"max_retries": 8})))
+    run_dir = tmp_path / "run"
+    kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.reward")[0])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "component reward exited with code -9; restart 1 of 3" in stderr
+    assert_each_step_trained_once(run_dir)
+
+
+def test_killed_redis_restarts_from_its_append_only_file(tmp_path):
+    proc = start("run", str(write_spec(tmp_path, training=SHORT)))
+    run_dir = tmp_path / "run"
+    kill_mid_run(proc, run_dir, lambda: redis_pid(run_dir))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "component redis exited with code -9; restart 1 of 3" in stderr
+    assert_each_step_trained_once(run_dir)
