@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
+import torch
+from pydantic import ValidationError
 
-from reinforce.core.data import DataError, PromptCursor, load_prompts
+from reinforce.core.data import DataError, PromptCursor, load_prompts, read_prompt_file
+from reinforce.core.metrics import STEP_METRICS
+from reinforce.core.models import build_char_tokenizer, encode_prompt, encode_prompt_checked, materialize_policy
+from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.spec import DataSpec, RunSpec
+from reinforce.trainer.main import Trainer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
 TINY_VOCAB = set("abcdefghijklmnopqrstuvwxyz .,!?")
@@ -140,3 +148,150 @@ def test_cursor_rejects_no_prompts_and_bad_state() -> None:
         PromptCursor([], seed=0, shuffle=True)
     with pytest.raises(DataError, match="out of range"):
         PromptCursor.from_state(PROMPTS, 0, True, {"epoch": 0, "index": 7})
+
+
+# ---- malformed lines: on_bad_line ------------------------------------------------------------------
+
+MIXED = '{"prompt": "one"}\nnot json\n\n{"text": "no prompt"}\n{"prompt": "two"}\n{"prompt": 3}\n'
+
+
+def test_bad_lines_stop_by_default(tmp_path: Path) -> None:
+    path = write(tmp_path, "mixed.jsonl", MIXED)
+    for load in (load_prompts, read_prompt_file):
+        with pytest.raises(DataError, match="invalid JSON") as err:
+            load(path)
+        assert str(err.value).startswith(f"{path}:2: ")
+    assert DataSpec(prompts="p.txt").on_bad_line == "error"
+
+
+def test_bad_lines_skipped_are_counted_and_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path, "mixed.jsonl", MIXED)
+    with caplog.at_level(logging.WARNING, logger="reinforce.core.data"):
+        got = read_prompt_file(path, on_bad_line="skip")
+    assert (got.prompts, got.skipped) == (["one", "two"], 3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith(f"{path}:2: invalid JSON")
+    assert messages[1].startswith(f'{path}:4: missing "prompt" field')
+    assert messages[2].startswith(f'{path}:6: "prompt" must be a string')
+    assert messages[3] == f"{path}: skipped 3 malformed lines, kept 2 prompts"
+    assert len(messages) == 4
+
+
+def test_good_file_skips_nothing_and_logs_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path, "good.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n')
+    with caplog.at_level(logging.WARNING, logger="reinforce.core.data"):
+        got = read_prompt_file(path, on_bad_line="skip")
+    assert (got.prompts, got.skipped, caplog.records) == (["a", "b"], 0, [])
+
+
+def test_all_bad_lines_are_still_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "bad.jsonl", "nope\n[1]\n")
+    with pytest.raises(DataError, match=r"no prompts in the file \(2 malformed lines skipped\)") as err:
+        read_prompt_file(path, on_bad_line="skip")
+    assert str(err.value).startswith(str(path))
+
+
+def test_data_spec_refuses_unknown_policies() -> None:
+    with pytest.raises(ValidationError, match="on_bad_line"):
+        DataSpec(prompts="p.txt", on_bad_line="ignore")
+    with pytest.raises(ValidationError, match="on_long_prompt"):
+        DataSpec(prompts="p.txt", on_long_prompt="drop")
+
+
+# ---- over-long prompts: on_long_prompt -------------------------------------------------------------
+
+CHARS = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz .,!?")
+SHORT = DataSpec(prompts="unused", chat_template=False, max_prompt_tokens=5)  # BOS + 4 characters
+
+
+def test_encode_prompt_truncates_or_skips_long_prompts() -> None:
+    skip = SHORT.model_copy(update={"on_long_prompt": "skip"})
+    bos = CHARS.bos_token_id
+    assert SHORT.on_long_prompt == "truncate"
+    fits = encode_prompt_checked(CHARS, "abcd", SHORT)
+    assert fits == encode_prompt_checked(CHARS, "abcd", skip) == ([bos, *CHARS.encode("abcd")[1:]], False)
+    ids, too_long = encode_prompt_checked(CHARS, "abcdefgh", SHORT)
+    assert too_long and ids == encode_prompt(CHARS, "abcdefgh", SHORT)
+    assert ids is not None and ids[0] == bos and CHARS.decode(ids[1:]) == "efgh"
+    assert encode_prompt_checked(CHARS, "abcdefgh", skip) == (None, True)
+    assert encode_prompt(CHARS, "abcdefgh", skip) is None
+
+
+def fake_encode(text: str) -> tuple[list[int] | None, bool]:
+    """Prompts named "long ..." are refused, "trunc ..." truncated: what encode_prompt_checked answers."""
+    if text.startswith("long"):
+        return None, True
+    return [len(text)], text.startswith("trunc")
+
+
+MIXED_LENGTHS = ["ok 0", "long 1", "trunc 2", "ok 3", "long 4", "ok 5", "long 6"]
+
+
+def test_take_encoded_passes_over_refused_prompts() -> None:
+    cursor = PromptCursor(MIXED_LENGTHS, seed=0, shuffle=False)
+    first = cursor.take_encoded(3, fake_encode)
+    assert first.prompts == [("ok 0", [4]), ("trunc 2", [7]), ("ok 3", [4])]
+    assert (first.truncated, first.skipped, cursor.position) == (1, 1, 4)
+    second = cursor.take_encoded(3, fake_encode)  # crosses into the next epoch
+    assert [text for text, _ in second.prompts] == ["ok 5", "ok 0", "trunc 2"]
+    assert (second.truncated, second.skipped, cursor.position) == (1, 3, 10)
+
+
+def test_take_encoded_resumes_exactly() -> None:
+    original = PromptCursor(MIXED_LENGTHS, seed=5, shuffle=True)
+    original.take_encoded(4, fake_encode)
+    resumed = PromptCursor.from_state(MIXED_LENGTHS, 5, True, json.loads(json.dumps(original.state())))
+    assert resumed.take_encoded(9, fake_encode) == original.take_encoded(9, fake_encode)
+
+
+def test_take_encoded_refuses_when_no_prompt_fits() -> None:
+    cursor = PromptCursor(["long a", "long b", "long c"], seed=0, shuffle=True)
+    with pytest.raises(DataError, match=r"all 3 prompts are longer than data\.max_prompt_tokens"):
+        cursor.take_encoded(1, fake_encode)
+    # One usable prompt among many is enough, however many the step needs.
+    rare = PromptCursor([*(f"long {i}" for i in range(9)), "ok"], seed=1, shuffle=True)
+    batch = rare.take_encoded(4, fake_encode)
+    assert [text for text, _ in batch.prompts] == ["ok"] * 4
+    assert batch.skipped == rare.position - 4 >= 3 * 9  # up to 18 refused in a row between two "ok"s
+
+
+def tiny_trainer(tmp_path: Path, redis_url: str, on_long_prompt: str) -> Trainer:
+    prompts = write(tmp_path, "p.txt", "ab\nabcdefgh\nabc\nabcdefghijkl\nabcd\n")
+    spec = RunSpec.model_validate(
+        {
+            "name": "data-test",
+            "run_dir": str(tmp_path / "run"),
+            "policy": {"random_init": {"hidden_size": 8, "intermediate_size": 8, "num_layers": 1, "num_heads": 1}},
+            "data": {"prompts": str(prompts), "chat_template": False, "max_prompt_tokens": 5, "shuffle": False,
+                     "on_long_prompt": on_long_prompt},
+            "training": {"prompts_per_step": 3},
+        }
+    )  # fmt: skip
+    materialize_policy(spec.policy, spec.resolved_run_dir() / "initial_policy", spec.seed)
+    torch.set_num_threads(1)  # the test machine's cores are shared
+    return Trainer(spec, redis_url)
+
+
+@pytest.mark.parametrize(
+    ("on_long_prompt", "texts", "stats"),
+    [
+        ("truncate", ["ab", "abcdefgh", "abc"], (1.0, 0.0)),
+        ("skip", ["ab", "abc", "abcd"], (0.0, 2.0)),
+    ],
+)
+def test_trainer_enqueues_a_full_step_and_counts_long_prompts(
+    tmp_path: Path, redis_url: str, on_long_prompt: str, texts: list[str], stats: tuple[float, float]
+) -> None:
+    trainer = tiny_trainer(tmp_path, redis_url, on_long_prompt)
+    try:
+        prompts = trainer.enqueue_prompts()
+        assert [p.text for p in prompts] == texts
+        assert [p.id for p in prompts] == ["0-0", "0-1", "0-2"]
+        assert all(len(p.token_ids) <= 5 for p in prompts)
+        assert set(trainer.data_stats) <= set(STEP_METRICS)
+        counts = (trainer.data_stats["data/truncated_prompts"], trainer.data_stats["data/skipped_long_prompts"])
+        assert counts == stats
+        queued = RolloutQueue(connect(redis_url), "data-test").read_prompts("g", count=10, block_ms=0)
+        assert [p for _, p in queued] == prompts
+    finally:
+        trainer.metrics.close()

@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from google.protobuf.message import DecodeError, Message
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from reinforce.core.queue import GENERATORS_GROUP, RolloutQueue, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
@@ -247,3 +250,118 @@ def test_rejects_decoding_client_and_bad_run_name(redis_url: str, client: redis.
         RolloutQueue(redis.Redis.from_url(redis_url, decode_responses=True), "r")
     with pytest.raises(ValueError, match="run name"):
         RolloutQueue(client, "a:b*")
+
+
+# ---- fuzzing the record decoder ------------------------------------------------------------------------
+
+# The fixtures are function-scoped, so every example shares one queue: each example empties it first.
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _entries_near(good: bytes) -> st.SearchStrategy[dict[bytes, bytes]]:
+    """Entry field dicts: arbitrary bytes as data, arbitrary fields, and a good record cut or spliced."""
+    return st.one_of(
+        st.binary(max_size=64).map(lambda data: {b"data": data}),
+        st.dictionaries(st.binary(max_size=12), st.binary(max_size=32), min_size=1, max_size=4),
+        st.builds(
+            lambda cut, junk: {b"data": good[:cut] + junk},
+            st.integers(0, len(good)),
+            st.binary(max_size=8),
+        ),
+    )
+
+
+PROMPT_ENTRIES = st.lists(_entries_near(make_prompt(9).SerializeToString()), min_size=1, max_size=5)
+GROUP_ENTRIES = st.lists(_entries_near(make_group(9).SerializeToString()), min_size=1, max_size=5)
+
+
+def expected_outcome(fields: dict[bytes, bytes], cls: type[Message], ident: str) -> Message | str:
+    """What the reader must do with an entry: the record it holds, or the start of the dead-letter reason.
+
+    Protobuf accepts many byte strings (any run of valid tags), so "bad" is decided by parsing, as a
+    reader would: an entry is bad when it has no data, data that does not parse, or a record without id.
+    """
+    if b"data" not in fields:
+        return "missing 'data' field"
+    try:
+        record = cls.FromString(fields[b"data"])
+    except DecodeError:
+        return f"cannot decode {cls.__name__}"
+    return record if getattr(record, ident) else f"{cls.__name__} has an empty {ident}"
+
+
+def interleave(client: redis.Redis, key: str, goods: list[bytes], fuzz: list[dict[bytes, bytes]]) -> list[str]:
+    """XADD good, fuzz, good, fuzz, ..., good; returns the entry ids in stream order."""
+    ids = [client.xadd(key, {b"data": goods[0]}).decode()]
+    for fields, good in zip(fuzz, goods[1:], strict=True):
+        ids.append(client.xadd(key, fields).decode())
+        ids.append(client.xadd(key, {b"data": good}).decode())
+    return ids
+
+
+def _labelled(
+    ids: list[str], goods: list[Message], fuzz: list[dict[bytes, bytes]], cls: type[Message], ident: str
+) -> list[tuple[str, dict[bytes, bytes], Message | str]]:
+    """(entry id, fields, expected outcome) of every entry :func:`interleave` added."""
+    out = []
+    for i, entry_id in enumerate(ids):
+        if i % 2 == 0:
+            good = goods[i // 2]
+            out.append((entry_id, {b"data": good.SerializeToString()}, good))
+        else:
+            fields = fuzz[i // 2]
+            out.append((entry_id, fields, expected_outcome(fields, cls, ident)))
+    return out
+
+
+def check_outcome(
+    queue: RolloutQueue,
+    client: redis.Redis,
+    key: str,
+    entries: list[tuple[str, dict[bytes, bytes], Message | str]],
+    got: list[tuple[str, Message]],
+) -> None:
+    """Accepted entries came back intact and in order; every refused one is dead-lettered with its reason."""
+    assert got == [(entry_id, want) for entry_id, _, want in entries if isinstance(want, Message)]
+    refused = [(entry_id, fields, want) for entry_id, fields, want in entries if isinstance(want, str)]
+    letters = [fields for _, fields in client.xrange(queue.deadletter_key)]
+    assert len(letters) == len(refused)
+    for letter, (entry_id, fields, reason) in zip(letters, refused, strict=True):
+        assert letter[b"stream"] == key.encode()
+        assert letter[b"entry_id"] == entry_id.encode()
+        assert letter[b"reason"].decode().startswith(reason)
+        assert letter[b"data"] == fields.get(b"data", b"")
+    # Dead letters were acked and deleted; the accepted entries wait, delivered, for their ack.
+    assert client.xlen(key) == len(got)
+
+
+@FUZZ
+@given(fuzz=PROMPT_ENTRIES, reclaim=st.booleans())
+def test_fuzzed_prompt_entries_are_dead_lettered_and_good_ones_kept(
+    queue: RolloutQueue, client: redis.Redis, fuzz: list[dict[bytes, bytes]], reclaim: bool
+) -> None:
+    queue.delete_run_keys()
+    queue.ensure_groups()
+    goods = [make_prompt(i) for i in range(len(fuzz) + 1)]
+    ids = interleave(client, queue.prompts_key, [g.SerializeToString() for g in goods], fuzz)
+    if reclaim:  # the other decoding path: entries a dead generator read raw and never acked
+        client.xreadgroup(GENERATORS_GROUP, "gen-dead", {queue.prompts_key: ">"}, count=100)
+        got = queue.reclaim_prompts("gen-alive", min_idle_ms=0, count=100)
+    else:
+        got = queue.read_prompts("gen-a", count=100, block_ms=0)
+    check_outcome(queue, client, queue.prompts_key, _labelled(ids, goods, fuzz, Prompt, "id"), got)
+
+
+@FUZZ
+@given(fuzz=GROUP_ENTRIES)
+def test_fuzzed_rollout_entries_are_dead_lettered_and_good_ones_kept(
+    queue: RolloutQueue, client: redis.Redis, fuzz: list[dict[bytes, bytes]]
+) -> None:
+    queue.delete_run_keys()
+    queue.ensure_groups()
+    goods = [make_group(i) for i in range(len(fuzz) + 1)]
+    ids = interleave(client, queue.rollouts_key, [g.SerializeToString() for g in goods], fuzz)
+    got = queue.read_rollouts("trainer-0", count=100, block_ms=0)
+    check_outcome(queue, client, queue.rollouts_key, _labelled(ids, goods, fuzz, RolloutGroup, "prompt_id"), got)
+    # A restarted trainer re-reads exactly the accepted groups; the dead letters are gone for good.
+    assert queue.read_rollouts("trainer-0", count=100, block_ms=0, pending=True) == got

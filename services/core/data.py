@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -15,31 +20,58 @@ class DataError(ValueError):
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TEXT_SUFFIXES = (".txt",)
+OnBadLine = Literal["error", "skip"]  # DataSpec.on_bad_line
+# A prompt's text -> (token ids, or None to skip it; whether it was over-long): models.encode_prompt_checked.
+Encoder = Callable[[str], tuple[list[int] | None, bool]]
+
+
+@dataclass(frozen=True)
+class PromptFile:
+    """The usable prompts of a file, in file order, and how many malformed lines were left out."""
+
+    prompts: list[str]
+    skipped: int = 0
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """Prompts of a file, in file order.
+    """Prompts of a file, in file order; a malformed line is a :class:`DataError` naming file:line.
 
     ``.jsonl``: one JSON object per line with a non-empty string ``prompt`` (other fields ignored).
     ``.txt``: one prompt per line, surrounding whitespace stripped. Blank lines are skipped in both.
+    """
+    return read_prompt_file(path).prompts
+
+
+def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error") -> PromptFile:
+    """Prompts of a file (format as :func:`load_prompts`); what a malformed line does is ``on_bad_line``.
+
+    "error": raise a :class:`DataError` naming file:line. "skip": log a warning naming file:line and the
+    reason, leave the line out and count it. A file without a single usable prompt is an error either way.
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in JSONL_SUFFIXES + TEXT_SUFFIXES:
         raise DataError(f"{path}: unknown prompt file type {suffix!r} (use .jsonl or .txt)")
-    lines = _read_lines(path)
     parse = _jsonl_prompt if suffix in JSONL_SUFFIXES else _text_prompt
-    prompts = []
-    for lineno, line in enumerate(lines, start=1):
+    prompts: list[str] = []
+    skipped = 0
+    for lineno, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
         try:
             prompts.append(parse(line))
         except DataError as err:
-            raise DataError(f"{path}:{lineno}: {err}") from None
+            if on_bad_line == "error":
+                raise DataError(f"{path}:{lineno}: {err}") from None
+            log.warning("%s:%d: %s; line skipped", path, lineno, err)
+            skipped += 1
     if not prompts:
-        raise DataError(f"{path}: no prompts in the file")
-    return prompts
+        bad = f" ({skipped} malformed lines skipped)" if skipped else ""
+        raise DataError(f"{path}: no prompts in the file{bad}")
+    if skipped:
+        # One summary besides the per-line warnings: the count is what an operator compares runs by.
+        log.warning("%s: skipped %d malformed lines, kept %d prompts", path, skipped, len(prompts))
+    return PromptFile(prompts, skipped)
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -75,6 +107,15 @@ def _jsonl_prompt(line: str) -> str:
     return prompt
 
 
+@dataclass
+class EncodedPrompts:
+    """A step's prompts as (text, token ids), and how many over-long prompts were truncated or skipped."""
+
+    prompts: list[tuple[str, list[int]]] = field(default_factory=list)
+    truncated: int = 0
+    skipped: int = 0
+
+
 class PromptCursor:
     """An endless, deterministic stream of prompts: epoch after epoch, each a (seeded) permutation.
 
@@ -107,6 +148,28 @@ class PromptCursor:
             self.index += 1
             if self.index == len(self.prompts):
                 self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def take_encoded(self, n: int, encode: Encoder) -> EncodedPrompts:
+        """The next ``n`` prompts that ``encode`` accepts, as (text, token ids); refused ones are passed over.
+
+        A refused prompt still advances the cursor, so a resumed run passes over the same ones.
+        """
+        out = EncodedPrompts()
+        refused_in_a_row = 0
+        while len(out.prompts) < n:
+            [(_, text)] = self.take(1)
+            ids, too_long = encode(text)
+            if ids is None:
+                out.skipped += 1
+                refused_in_a_row += 1
+                # Two epochs' worth of consecutive prompts cover a whole epoch: no prompt is usable.
+                if refused_in_a_row > 2 * len(self.prompts):
+                    raise DataError(f"all {len(self.prompts)} prompts are longer than data.max_prompt_tokens")
+                continue
+            refused_in_a_row = 0
+            out.truncated += too_long
+            out.prompts.append((text, ids))
         return out
 
     def state(self) -> dict[str, Any]:

@@ -42,6 +42,8 @@ STEP_METRICS: dict[str, str] = {
     "weights/published_version": "Latest published weight version.",
     "queue/prompts_pending": "Prompts enqueued but not yet acknowledged by a generator.",
     "queue/rollouts_waiting": "Rollout groups not yet consumed by the trainer.",
+    "data/truncated_prompts": "Prompts of the step truncated from the left to max_prompt_tokens.",
+    "data/skipped_long_prompts": "Prompts skipped this step for being longer than max_prompt_tokens.",
 }
 
 STEP = "step"  # the jsonl key of the step number; Prometheus: reinforce_trainer_step

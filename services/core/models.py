@@ -190,8 +190,23 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, data: DataSpec) -> list[int]:
-    """Token ids of one prompt, chat-templated if `data.chat_template`, truncated from the left."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, data: DataSpec) -> list[int] | None:
+    """Token ids of one prompt, chat-templated if `data.chat_template`, at most `data.max_prompt_tokens`.
+
+    A longer prompt is truncated from the left (`on_long_prompt: truncate`), or not used: None
+    (`on_long_prompt: skip`; the caller takes another prompt). :func:`encode_prompt_checked` also says
+    whether the prompt was too long.
+    """
+    return encode_prompt_checked(tokenizer, text, data)[0]
+
+
+def encode_prompt_checked(
+    tokenizer: PreTrainedTokenizerBase, text: str, data: DataSpec
+) -> tuple[list[int] | None, bool]:
+    """(:func:`encode_prompt`'s result, whether the prompt was longer than `data.max_prompt_tokens`).
+
+    Too long with ids: truncated; too long with None: skipped. One tokenisation serves both answers.
+    """
     if data.chat_template:
         messages = [{"role": "user", "content": text}]
         if data.system_prompt is not None:
@@ -206,7 +221,10 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, data: DataSpec)
         # Keep the tokenizer's own BOS convention (does it prepend one?) but never add EOS to a prompt.
         if bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]:
             ids = [bos, *ids]
-    return truncate_left(ids, data.max_prompt_tokens, tokenizer.bos_token_id)
+    too_long = len(ids) > data.max_prompt_tokens
+    if too_long and data.on_long_prompt == "skip":
+        return None, True
+    return truncate_left(ids, data.max_prompt_tokens, tokenizer.bos_token_id), too_long
 
 
 def truncate_left(ids: list[int], max_tokens: int, bos: int | None) -> list[int]:

@@ -100,8 +100,20 @@ class DataSpec(_Section):
     )
     chat_template: bool = Field(True, description="Wrap each prompt in the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message for the chat template (None: none).")
-    max_prompt_tokens: int = Field(128, ge=1, description="Longer prompts are truncated from the left.")
+    max_prompt_tokens: int = Field(
+        128, ge=1, description="Longer prompts are truncated from the left, or skipped (`on_long_prompt`)."
+    )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error",
+        description="What a malformed prompt line does: error stops with file:line; skip leaves it out with a "
+        "warning naming file:line, and counts it.",
+    )
+    on_long_prompt: Literal["truncate", "skip"] = Field(
+        "truncate",
+        description="A prompt longer than max_prompt_tokens: truncate keeps its last tokens (and BOS); skip "
+        "takes the next prompt instead (metrics `data/truncated_prompts`, `data/skipped_long_prompts`).",
+    )
 
 
 class AlgorithmSpec(_Section):

@@ -26,7 +26,7 @@ import httpx
 import redis
 from tqdm import tqdm
 
-from reinforce.core.data import DataError, load_prompts
+from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import read_metrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.queue import REDIS_URL_ENV, RolloutQueue, connect
@@ -303,7 +303,7 @@ def run_command(args: argparse.Namespace) -> int:
         spec_file = Path(args.spec)
         spec = resolve_spec(load_spec(spec_file), spec_file)
     try:
-        load_prompts(spec.data.prompts)  # a bad prompt file fails now, naming file and line
+        read_prompt_file(spec.data.prompts, spec.data.on_bad_line)  # a bad prompt file fails now, naming file:line
     except DataError as err:
         raise SpecError(f"{spec_file}: data.prompts: {err}") from None
     paths = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)

@@ -23,9 +23,9 @@ from prometheus_client import start_http_server
 
 from reinforce.core.algorithm import policy_gradient_loss, rloo_advantages, sequence_kl
 from reinforce.core.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
-from reinforce.core.data import PromptCursor, load_prompts
+from reinforce.core.data import PromptCursor, read_prompt_file
 from reinforce.core.metrics import TrainerMetrics, read_metrics
-from reinforce.core.models import encode_prompt, load_policy, load_tokenizer, response_logprobs
+from reinforce.core.models import encode_prompt_checked, load_policy, load_tokenizer, response_logprobs
 from reinforce.core.plot import plot_metrics
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
@@ -85,7 +85,10 @@ class Trainer:
             self.policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
-        self.cursor = PromptCursor(load_prompts(spec.data.prompts), spec.seed, spec.data.shuffle)
+        # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
+        self.cursor = PromptCursor(
+            read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts, spec.seed, spec.data.shuffle
+        )
         self.queue = RolloutQueue(connect(redis_url), spec.name)
         self.queue.ensure_groups()
         self.metrics = TrainerMetrics(self.paths.metrics)
@@ -159,6 +162,7 @@ class Trainer:
         self.queue.ack_rollouts(entry_ids)
         _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": [g.prompt_id for g in groups]})
         values.update(self.rollout_stats(batch, rollout_time))
+        values.update(self.data_stats)
         values["timers/step_time"] = time.perf_counter() - step_start
         self.metrics.record(self.step, values)
         log.info(
@@ -170,9 +174,18 @@ class Trainer:
         )
 
     def enqueue_prompts(self) -> list[Prompt]:
+        """Enqueue the step's prompts_per_step prompts, tagged with the current weight version.
+
+        An over-long prompt is truncated, or with on_long_prompt "skip" replaced by the cursor's next one,
+        so every step still has prompts_per_step prompts. The counts go to `self.data_stats` (step metrics).
+        """
         k = self.spec.algorithm.num_rollouts_per_prompt
+        batch = self.cursor.take_encoded(
+            self.spec.training.prompts_per_step,
+            lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data),
+        )
         prompts = []
-        for i, (_, text) in enumerate(self.cursor.take(self.spec.training.prompts_per_step)):
+        for i, (text, token_ids) in enumerate(batch.prompts):
             prompt_id = f"{self.step}-{i}"
             prompts.append(
                 Prompt(
@@ -181,10 +194,14 @@ class Trainer:
                     policy_version=self.step,
                     text=text,
                     num_samples=k,
-                    token_ids=encode_prompt(self.tokenizer, text, self.spec.data),
+                    token_ids=token_ids,
                     seed=prompt_seed(self.spec.seed, prompt_id),
                 )
             )
+        self.data_stats = {
+            "data/truncated_prompts": float(batch.truncated),
+            "data/skipped_long_prompts": float(batch.skipped),
+        }
         self.queue.put_prompts(prompts)
         return prompts
 
