@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import IO
 
@@ -47,6 +48,7 @@ STEP_METRICS: dict[str, str] = {
 }
 
 STEP = "step"  # the jsonl key of the step number; Prometheus: reinforce_trainer_step
+TIME = "time"  # the jsonl key of the unix time the step finished
 
 
 def prometheus_name(name: str) -> str:
@@ -72,7 +74,7 @@ class TrainerMetrics:
         for name, value in values.items():
             self._gauges[name].set(value)
         self._step.set(step)
-        row = {STEP: step, **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+        row = {STEP: step, TIME: time.time(), **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
