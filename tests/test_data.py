@@ -284,12 +284,13 @@ def test_trainer_enqueues_a_full_step_and_counts_long_prompts(
 ) -> None:
     trainer = tiny_trainer(tmp_path, redis_url, on_long_prompt)
     try:
-        prompts = trainer.enqueue_prompts()
+        prompts = trainer.enqueue_prompts(step=0)
         assert [p.text for p in prompts] == texts
         assert [p.id for p in prompts] == ["0-0", "0-1", "0-2"]
         assert all(len(p.token_ids) <= 5 for p in prompts)
-        assert set(trainer.data_stats) <= set(STEP_METRICS)
-        counts = (trainer.data_stats["data/truncated_prompts"], trainer.data_stats["data/skipped_long_prompts"])
+        stats_of_step = trainer.data_stats[0]
+        assert set(stats_of_step) <= set(STEP_METRICS)
+        counts = (stats_of_step["data/truncated_prompts"], stats_of_step["data/skipped_long_prompts"])
         assert counts == stats
         queued = RolloutQueue(connect(redis_url), "data-test").read_prompts("g", count=10, block_ms=0)
         assert [p for _, p in queued] == prompts

@@ -82,3 +82,16 @@ def test_ctrl_c_stops_every_component(tmp_path):
     assert proc.returncode == 130
     assert "interrupted" in stderr
     assert service_pids(run_dir) == []
+
+
+@pytest.mark.slow
+def test_asynchronous_run_keeps_lag_bounded_and_learns(tmp_path):
+    result = reinforce("run", str(write_spec(tmp_path, algorithm={"max_policy_lag": 2})))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(RunPaths(tmp_path / "run").metrics)
+    assert max(r["train_rollouts/policy_lag_max"] for r in rows) == 2  # generators ran ahead, never too far
+    assert sum(r["train_rollouts/policy_lag"] for r in rows) > 0
+    weights = [r["train_rollouts/importance_weight_mean"] for r in rows]
+    assert all(0.5 < w < 1.5 for w in weights)
+    rewards = [r["train_rollouts/rewards"] for r in rows]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1

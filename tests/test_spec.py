@@ -35,7 +35,7 @@ def test_defaults_follow_nemo_aligner():
         ({"training": {"steps": "many"}}, "training.steps: Input should be a valid integer"),
         ({"generation": {"top_p": 1.5}}, "generation.top_p: Input should be less than or equal to 1"),
         ({"algorithm": {"kl_estimator": "k4"}}, "algorithm.kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
-        ({"algorithm": {"max_policy_lag": 1}}, "algorithm.max_policy_lag"),
+        ({"algorithm": {"max_policy_lag": -1}}, "algorithm.max_policy_lag: Input should be greater than or equal to 0"),
         ({"generation": {"temprature": 1.0}}, "generation.temprature: Extra inputs are not permitted"),
         ({"policy": {"random_init": {"hidden_size": 30, "num_heads": 4}}}, "policy.random_init: Value error"),
         ({"policy": {"path": "x", "random_init": {}}}, "policy: Value error, set exactly one of path and random_init"),

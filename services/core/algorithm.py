@@ -12,6 +12,10 @@ y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen init
     A_i                = rewards_with_kl_i - b_i                 (a constant: it carries no gradient)
     loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i
 
+Asynchronous mode (max_policy_lag > 0) samples with weights up to n versions old (the behaviour policy mu);
+each token's term is then weighted by the truncated importance weight  min(pi(y_t) / mu(y_t), cap),
+a constant like A_i, so the gradient estimates the current policy's.
+
 N is the number of response tokens in the whole step's batch, so the loss is the masked token mean and
 gradient accumulation over micro-batches adds up to exactly the full-batch gradient.
 
@@ -89,11 +93,20 @@ def rloo_advantages(rewards: Tensor, kl: Tensor, is_end: Tensor, kl_penalty: flo
     return Advantages(kl, rewards_with_kl, baseline, (rewards_with_kl - baseline).detach())
 
 
-def policy_gradient_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
-    """The REINFORCE loss of a (micro-)batch: -(1/N) sum mask * log pi * A, with N the step's token count.
+def truncated_importance_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
+    """min(pi / mu, cap) per token, from log-probs [B, T]; a constant (no gradient)."""
+    return torch.exp(logprobs.detach() - behaviour_logprobs).clamp(max=cap)
 
-    logprobs, mask: [B, T]; advantages: [B]. Summing this over micro-batches gives the step's masked token
-    mean, whatever the micro-batch size.
+
+def policy_gradient_loss(
+    logprobs: Tensor, advantages: Tensor, mask: Tensor, num_tokens: int, importance_weights: Tensor | None = None
+) -> Tensor:
+    """The REINFORCE loss of a (micro-)batch: -(1/N) sum mask * w * log pi * A, with N the step's token count.
+
+    logprobs, mask and importance_weights w (default 1): [B, T]; advantages: [B]. Summing this over
+    micro-batches gives the step's masked token mean, whatever the micro-batch size.
     """
-    weighted = torch.where(mask.bool(), logprobs * advantages.detach().unsqueeze(-1), 0.0)
-    return -weighted.sum() / max(num_tokens, 1)
+    per_token = logprobs * advantages.detach().unsqueeze(-1)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach()
+    return -torch.where(mask.bool(), per_token, 0.0).sum() / max(num_tokens, 1)

@@ -29,6 +29,11 @@ STEP_METRICS: dict[str, str] = {
     "train_rollouts/dropped_nonfinite_rewards": "Samples left out of the step because their reward was NaN or inf.",
     "train_rollouts/logprob_mismatch": "Mean |generator log-prob - trainer log-prob| of the same tokens and weights.",
     "train_rollouts/policy_lag": "Mean of (trained weight version - version that sampled the group).",
+    "train_rollouts/policy_lag_max": "Largest policy lag of the step's groups (never above max_policy_lag).",
+    "train_rollouts/dropped_stale_groups": "Groups dropped so far for being more than max_policy_lag versions old.",
+    "train_rollouts/importance_weight_mean": "Mean truncated importance weight min(pi/mu, cap) (asynchronous mode).",
+    "train_rollouts/importance_weight_max": "Largest truncated importance weight of the step (asynchronous mode).",
+    "train_rollouts/importance_weight_capped_fraction": "Fraction of tokens whose importance weight hit the cap.",
     "train_optim/loss": "REINFORCE loss (masked token mean).",
     "train_optim/grad_norm": "Global gradient norm before clipping.",
     "train_optim/lr": "Learning rate used by the step.",
@@ -64,6 +69,12 @@ class TrainerMetrics:
             name: Gauge(prometheus_name(name), doc, registry=self.registry) for name, doc in STEP_METRICS.items()
         }
         self._step = Gauge(PREFIX + "trainer_step", "Last completed trainer step.", registry=self.registry)
+        self.policy_lag = Histogram(
+            PREFIX + "trainer_group_policy_lag",
+            "Per rollout group: trained version - version that sampled it.",
+            buckets=(0, 1, 2, 3, 4, 8),
+            registry=self.registry,
+        )
         jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         self._jsonl: IO[str] = jsonl_path.open("a", buffering=1)
 

@@ -129,8 +129,11 @@ class AlgorithmSpec(_Section):
     max_policy_lag: int = Field(
         0,
         ge=0,
-        le=0,
-        description="0: strictly on-policy (the only mode so far; asynchronous mode is planned).",
+        description="0: strictly on-policy. n > 0: generators keep sampling while the trainer trains, with "
+        "weights up to n versions old, corrected by truncated importance weights.",
+    )
+    importance_weight_cap: float = Field(
+        2.0, gt=0, description="max_policy_lag > 0: cap of the per-token importance weight pi / mu."
     )
 
 

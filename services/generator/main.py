@@ -4,9 +4,9 @@
 
 Control plane (FastAPI, on --port): GET /healthz, GET /readyz, GET /metrics (Prometheus),
 GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between
-batches). Strictly on-policy, a prompt is sampled only with the weight version it names: a prompt for the
-published version waits, unacknowledged, until that version is loaded; a prompt for any other version is
-stale (the trainer moved on, or restarted from an earlier checkpoint) and is acknowledged without work.
+batches). A prompt names the oldest weight version allowed to sample it (strictly on-policy: its step's own
+version); it waits, unacknowledged, until such a version is loaded, and a stale prompt (its step already
+trained, or enqueued by a trainer that restarted from an earlier checkpoint) is acknowledged without work.
 Every sample of a group comes from one version, which the group records.
 """
 
@@ -123,20 +123,25 @@ class Generator:
         return claimed
 
     def split_by_version(self, entries: list[tuple[str, Prompt]]) -> tuple[list, list]:
-        """(ready to sample, waiting for their version); stale prompts are acknowledged and dropped."""
+        """(ready to sample, waiting for weights); stale prompts are acknowledged and dropped.
+
+        With P the published version, a prompt of step s naming oldest version m is stale when s < P (its
+        step is trained) or m > P (enqueued by a trainer that then restarted from an earlier checkpoint). It is
+        ready when m <= loaded <= P; on-policy m = s = P, so only the published version itself samples it.
+        """
         if not entries:
             return [], []
-        # The trainer publishes a version before it enqueues that version's prompts, so Redis already
-        # holds the version of any prompt that is current.
-        published = self.queue.latest_weights()
-        current = published.version if published is not None else 0
-        stale = [entry_id for entry_id, p in entries if p.policy_version != current]
+        # The trainer publishes a version before it enqueues prompts that need it.
+        latest = self.queue.latest_weights()
+        published = latest.version if latest is not None else 0
+        stale = [entry_id for entry_id, p in entries if p.step < published or p.policy_version > published]
         if stale:
-            log.info("dropping %d stale prompts (published version is %d)", len(stale), current)
+            log.info("dropping %d stale prompts (published version is %d)", len(stale), published)
             self.queue.ack_prompts(stale)
-        fresh = [e for e in entries if e[1].policy_version == current]
+        live = [e for e in entries if e[0] not in set(stale)]
         loaded = self.weights.loaded
-        return [e for e in fresh if loaded == current], [e for e in fresh if loaded != current]
+        ready = [e for e in live if e[1].policy_version <= loaded <= published]
+        return ready, [e for e in live if e not in ready]
 
     def process(self, entries: list[tuple[str, Prompt]]) -> None:
         prompts = [p for _, p in entries]

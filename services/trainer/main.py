@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 from prometheus_client import start_http_server
 
-from reinforce.core.algorithm import policy_gradient_loss, rloo_advantages, sequence_kl
+from reinforce.core.algorithm import (
+    policy_gradient_loss,
+    rloo_advantages,
+    sequence_kl,
+    truncated_importance_weights,
+)
 from reinforce.core.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 from reinforce.core.data import PromptCursor, read_prompt_file
 from reinforce.core.metrics import TrainerMetrics, read_metrics
@@ -94,6 +99,12 @@ class Trainer:
         self.metrics = TrainerMetrics(self.paths.metrics)
         self.step = 0
         self.stopping = False
+        # Steps whose prompts are enqueued but not yet trained: up to max_policy_lag + 1 of them.
+        self.in_flight: dict[int, list[Prompt]] = {}
+        self.cursor_before: dict[int, dict] = {}  # data cursor before each in-flight step drew its prompts
+        self.data_stats: dict[int, dict[str, float]] = {}
+        self.early: dict[str, tuple[str, RolloutGroup]] = {}  # groups of later steps that arrived early
+        self.dropped_groups = 0
 
     # ---- run ---------------------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
@@ -131,7 +142,9 @@ class Trainer:
         return time.perf_counter() - start
 
     def checkpoint(self) -> None:
-        state = TrainerState(step=self.step, cursor=self.cursor.state(), weight_version=self.step)
+        # the cursor as it was before the next untrained step drew its prompts: a resume redraws them
+        cursor = self.cursor_before.get(self.step, self.cursor.state())
+        state = TrainerState(step=self.step, cursor=cursor, weight_version=self.step)
         path = save_checkpoint(
             self.paths.checkpoints,
             state,
@@ -151,18 +164,21 @@ class Trainer:
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self) -> None:
         step_start = time.perf_counter()
-        prompts = self.enqueue_prompts()
-        entry_ids, groups = self.collect_groups(prompts)
+        self.fill_pipeline()
+        entry_ids, groups = self.collect_groups(self.step)
         rollout_time = time.perf_counter() - step_start
         batch = StepBatch.from_groups(groups)
         values = self.optimise(batch)
+        trained = self.step
         self.step += 1
         values["timers/weight_publish"] = self.publish_weights()
         # Acknowledge only once the step's effect (the new weights) is written.
         self.queue.ack_rollouts(entry_ids)
+        del self.in_flight[trained]
+        self.cursor_before.pop(trained, None)
         _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": [g.prompt_id for g in groups]})
-        values.update(self.rollout_stats(batch, rollout_time))
-        values.update(self.data_stats)
+        values.update(self.rollout_stats(batch, rollout_time, trained))
+        values.update(self.data_stats.pop(trained))
         values["timers/step_time"] = time.perf_counter() - step_start
         self.metrics.record(self.step, values)
         log.info(
@@ -173,8 +189,19 @@ class Trainer:
             values["train_optim/loss"],
         )
 
-    def enqueue_prompts(self) -> list[Prompt]:
-        """Enqueue the step's prompts_per_step prompts, tagged with the current weight version.
+    def fill_pipeline(self) -> None:
+        """Keep the prompts of steps step .. step + max_policy_lag enqueued (just this step when on-policy)."""
+        last = min(self.step + self.spec.algorithm.max_policy_lag, self.spec.training.steps - 1)
+        for step in range(self.step, last + 1):
+            if step not in self.in_flight:
+                self.cursor_before[step] = self.cursor.state()
+                self.in_flight[step] = self.enqueue_prompts(step)
+
+    def enqueue_prompts(self, step: int) -> list[Prompt]:
+        """Enqueue a step's prompts_per_step prompts.
+
+        Each names the oldest weight version allowed to sample it, step - max_policy_lag (the step's own
+        version when on-policy); generators hold it until they have at least that version.
 
         An over-long prompt is truncated, or with on_long_prompt "skip" replaced by the cursor's next one,
         so every step still has prompts_per_step prompts. The counts go to `self.data_stats` (step metrics).
@@ -185,49 +212,69 @@ class Trainer:
             lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data),
         )
         prompts = []
+        oldest_version = max(0, step - self.spec.algorithm.max_policy_lag)
         for i, (text, token_ids) in enumerate(batch.prompts):
-            prompt_id = f"{self.step}-{i}"
+            prompt_id = f"{step}-{i}"
             prompts.append(
                 Prompt(
                     id=prompt_id,
-                    step=self.step,
-                    policy_version=self.step,
+                    step=step,
+                    policy_version=oldest_version,
                     text=text,
                     num_samples=k,
                     token_ids=token_ids,
                     seed=prompt_seed(self.spec.seed, prompt_id),
                 )
             )
-        self.data_stats = {
+        self.data_stats[step] = {
             "data/truncated_prompts": float(batch.truncated),
             "data/skipped_long_prompts": float(batch.skipped),
         }
         self.queue.put_prompts(prompts)
         return prompts
 
-    def collect_groups(self, prompts: list[Prompt]) -> tuple[list[str], list[RolloutGroup]]:
-        """Wait for one group per prompt of this step; anything else on the stream is stale and acked away."""
+    def collect_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
+        """Wait for one group per prompt of `step`, in prompt order.
+
+        Groups of later in-flight steps are kept for their turn (asynchronous mode); groups of trained steps
+        or duplicates are stale and acknowledged away; a group sampled by weights more than max_policy_lag
+        versions old is dropped, counted, and its prompt enqueued again.
+        """
+        prompts = self.in_flight[step]
         order = {p.id: i for i, p in enumerate(prompts)}
-        groups: dict[str, RolloutGroup] = {}
-        entry_ids: list[str] = []
+        groups: dict[str, tuple[str, RolloutGroup]] = {pid: self.early.pop(pid) for pid in order if pid in self.early}
         while len(groups) < len(prompts):
             if self.stopping:
                 raise SystemExit(0)
             for entry_id, group in self.queue.read_rollouts(CONSUMER, count=len(prompts), block_ms=1000):
-                if group.prompt_id in order and group.prompt_id not in groups:
-                    groups[group.prompt_id] = group
-                    entry_ids.append(entry_id)
-                else:
-                    log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
-                    self.queue.ack_rollouts([entry_id])
-        return entry_ids, sorted(groups.values(), key=lambda g: order[g.prompt_id])
+                self.sort_group(step, order, groups, entry_id, group)
+        ordered = sorted(groups.values(), key=lambda e: order[e[1].prompt_id])
+        return [entry_id for entry_id, _ in ordered], [group for _, group in ordered]
+
+    def sort_group(self, step: int, order: dict[str, int], groups: dict, entry_id: str, group: RolloutGroup) -> None:
+        lag_limit = self.spec.algorithm.max_policy_lag
+        if group.prompt_id in order and group.prompt_id not in groups:
+            if step - group.policy_version <= lag_limit:
+                groups[group.prompt_id] = (entry_id, group)
+                return
+            log.warning("group %s is %d versions old: dropped, prompt re-enqueued", group.prompt_id,
+                        step - group.policy_version)  # fmt: skip
+            self.dropped_groups += 1
+            self.queue.put_prompts([self.in_flight[step][order[group.prompt_id]]])
+        elif group.step in self.in_flight and group.step > step and group.prompt_id not in self.early:
+            self.early[group.prompt_id] = (entry_id, group)
+            return
+        else:
+            log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
+        self.queue.ack_rollouts([entry_id])
 
     def optimise(self, batch: StepBatch) -> dict[str, float]:
         """One optimisation pass over the step's groups, micro-batched by whole groups (RLOO needs them)."""
         alg, t = self.spec.algorithm, self.spec.training
         self.optimizer.zero_grad(set_to_none=True)
         kl_all, rwk_all, adv_all = [], [], []
-        loss_total, mismatch_sum, ref_seconds = 0.0, 0.0, 0.0
+        loss_total, ref_seconds = 0.0, 0.0
+        mismatch, weights = TokenStats(), TokenStats()
         train_start = time.perf_counter()
         for start in range(0, len(batch.groups), t.micro_batch_prompts):
             rows = slice(start, start + t.micro_batch_prompts)
@@ -247,10 +294,17 @@ class Trainer:
                 batch.rewards[rows], kl.view(shape), batch.is_end[rows], alg.initial_policy_kl_penalty
             )
             loss_mask = mask * batch.keep[rows].reshape(-1, 1)
-            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, batch.num_tokens)
+            behaviour = generator_logprobs(groups, like=logprobs)
+            rho = None
+            if alg.max_policy_lag > 0:
+                rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
+                weights.add(rho, loss_mask)
+            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, batch.num_tokens, rho)
             loss.backward()
             loss_total += loss.item()
-            mismatch_sum += _logprob_mismatch_sum(logprobs.detach(), mask, groups)
+            # train/inference mismatch: only where the generator had the very weights being trained
+            same_version = torch.tensor([g.policy_version == self.step for g in groups for _ in g.samples])
+            mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
             kl_all.append(adv.kl)
             rwk_all.append(adv.rewards_with_kl)
             adv_all.append(adv.advantages)
@@ -259,12 +313,14 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         keep = batch.keep
-        total_tokens = sum(len(s.token_ids) for g in batch.groups for s in g.samples)
         return {
             "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
             "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
             "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
-            "train_rollouts/logprob_mismatch": mismatch_sum / max(total_tokens, 1),
+            "train_rollouts/logprob_mismatch": mismatch.mean(),
+            "train_rollouts/importance_weight_mean": weights.mean(),
+            "train_rollouts/importance_weight_max": weights.max,
+            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
             "train_optim/loss": loss_total,
             "train_optim/grad_norm": grad_norm.item(),
             "train_optim/lr": lr,
@@ -272,12 +328,15 @@ class Trainer:
             "timers/train_time": time.perf_counter() - train_start - ref_seconds,
         }
 
-    def rollout_stats(self, batch: StepBatch, rollout_time: float) -> dict[str, float]:
+    def rollout_stats(self, batch: StepBatch, rollout_time: float, trained_step: int) -> dict[str, float]:
         samples = [s for g in batch.groups for s in g.samples]
         response_lengths = [len(s.token_ids) for s in samples]
         prompt_lengths = [len(g.prompt_token_ids) for g in batch.groups for _ in g.samples]
         generate = sum(g.generate_seconds for g in batch.groups)
         depths = self.queue.depths()
+        lags = [trained_step - g.policy_version for g in batch.groups]
+        for lag in lags:
+            self.metrics.policy_lag.observe(lag)
         return {
             "train_rollouts/rewards": batch.rewards[batch.keep].mean().item(),
             "train_rollouts/fraction_of_samples_properly_ended": sum(s.is_end for s in samples) / len(samples),
@@ -287,7 +346,9 @@ class Trainer:
                 [a + b for a, b in zip(prompt_lengths, response_lengths, strict=True)]
             ),
             "train_rollouts/dropped_nonfinite_rewards": float((~batch.keep).sum()),
-            "train_rollouts/policy_lag": _mean([self.step - 1 - g.policy_version for g in batch.groups]),
+            "train_rollouts/policy_lag": _mean(lags),
+            "train_rollouts/policy_lag_max": float(max(lags)),
+            "train_rollouts/dropped_stale_groups": float(self.dropped_groups),
             "timers/rollout_time": rollout_time,
             "timers/generate": generate,
             "timers/reward": sum(g.reward_seconds for g in batch.groups),
@@ -314,12 +375,33 @@ def _mean(values: list[float] | list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _logprob_mismatch_sum(trainer_logprobs: torch.Tensor, mask: torch.Tensor, groups: list[RolloutGroup]) -> float:
-    """Sum over response tokens of |generator log-prob - trainer log-prob| (train/inference mismatch)."""
-    generator = torch.zeros_like(trainer_logprobs)
+def generator_logprobs(groups: list[RolloutGroup], like: torch.Tensor) -> torch.Tensor:
+    """The generators' recorded log-probs of the groups' samples, padded like the trainer's [B, T]."""
+    out = torch.zeros_like(like, requires_grad=False)
     for row, sample in enumerate(s for g in groups for s in g.samples):
-        generator[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
-    return torch.where(mask.bool(), (generator - trainer_logprobs).abs(), 0.0).sum().item()
+        out[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
+    return out
+
+
+class TokenStats:
+    """Mean, max and counts of a per-token quantity over masked tokens, accumulated across micro-batches."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.max, self._values = 0.0, 0, 0.0, []
+
+    def add(self, values: torch.Tensor, mask: torch.Tensor) -> None:
+        picked = values.detach()[mask.bool()]
+        if picked.numel():
+            self.total += picked.sum().item()
+            self.count += picked.numel()
+            self.max = max(self.max, picked.max().item())
+            self._values.append(picked)
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def fraction_at_least(self, bound: float) -> float:
+        return (torch.cat(self._values) >= bound).float().mean().item() if self._values else 0.0
 
 
 def main(argv: list[str] | None = None) -> None:

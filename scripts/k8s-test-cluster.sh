@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Build kube-apiserver and kube-controller-manager for the test suite, then print the folder that holds them.
+#
+# Usage: scripts/k8s-test-cluster.sh          # builds once (~6 min on 2 cores), then prints the bin folder
+#        REINFORCE_K8S_CACHE=/some/dir scripts/k8s-test-cluster.sh
+#
+# Debian ships no Kubernetes binaries, but its `kubernetes` source package (1.20.2, vendored dependencies
+# included) builds with Debian's golang-go. Everything (sources, Go's build cache, the binaries) lives in
+# ${REINFORCE_K8S_CACHE:-$HOME/.cache/reinforce-k8s}, outside the clone, so a second run on the same machine
+# only checks the apt packages and prints the folder. It also installs etcd-server, which the tests run beside
+# the API server. Non-interactive, idempotent, and safe to run concurrently (a lock serialises builds).
+# Only the bin folder goes to stdout; progress goes to stderr.
+set -euo pipefail
+
+CACHE="${REINFORCE_K8S_CACHE:-$HOME/.cache/reinforce-k8s}"
+BIN="$CACHE/bin"
+COMPONENTS=(kube-apiserver kube-controller-manager)
+# Bump when the recipe changes so that cached binaries built by an older recipe are rebuilt.
+RECIPE=1
+APT_PACKAGES=(golang-go etcd-server dpkg-dev golang-github-modern-go-reflect2-dev ca-certificates)
+
+log() { echo "k8s-test-cluster: $*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+install_apt_packages() {
+    local missing=() pkg
+    for pkg in "${APT_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return
+    log "installing ${missing[*]}"
+    as_root apt-get update -qq >&2
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+}
+
+built() {
+    local c
+    for c in "${COMPONENTS[@]}"; do [ -x "$BIN/$c" ] || return 1; done
+    [ "$(cat "$BIN/.recipe" 2>/dev/null)" = "$RECIPE" ]
+}
+
+# deb-src lines for the machine's own Debian archives (those serving its release), written to our own sources
+# file: the system's apt configuration is never changed.
+derive_deb_src() {
+    local codename out="$1"
+    codename="$(. /etc/os-release && echo "$VERSION_CODENAME")"
+    python3 - "$codename" >"$out" <<'PY'
+import glob, re, sys
+
+codename = sys.argv[1]
+out = []
+for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+    for stanza in re.split(r"\n\s*\n", open(path).read()):
+        fields = dict(re.findall(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.M))
+        suites = fields.get("Suites", "").split()
+        if "deb" in fields.get("Types", "").split() and fields.get("Enabled", "yes") != "no" and any(
+            s.startswith(codename) for s in suites
+        ):
+            opts = f"[signed-by={fields['Signed-By']}] " if "Signed-By" in fields else ""
+            for uri in fields["URIs"].split():
+                for suite in suites:
+                    out.append(f"deb-src {opts}{uri} {suite} {fields.get('Components', 'main')}")
+for path in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list"))]:
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        continue
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0] == "deb" and any(p.startswith(codename) for p in parts[1:]):
+            out.append("deb-src" + line.strip()[3:])
+print("\n".join(dict.fromkeys(out)))
+PY
+    [ -s "$out" ] || { log "found no Debian $codename archive in /etc/apt to derive deb-src from"; exit 1; }
+}
+
+fetch_source() {
+    local work="$CACHE/apt" tree
+    mkdir -p "$work/lists/partial" "$work/archives/partial" "$CACHE/src"
+    derive_deb_src "$work/deb-src.list"
+    # Our own lists folder and sources file: the system's apt state stays as it was.
+    local apt_opts=(-o "Dir::Etc::SourceList=$work/deb-src.list" -o "Dir::Etc::SourceParts=-"
+        -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/archives")
+    log "fetching Debian's kubernetes source package"
+    apt-get "${apt_opts[@]}" update -qq >&2
+    rm -rf "$CACHE/src" && mkdir -p "$CACHE/src"
+    (cd "$CACHE/src" && apt-get "${apt_opts[@]}" source -qq kubernetes >&2)
+    tree="$(find "$CACHE/src" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -1)"
+    [ -n "$tree" ] || { log "apt-get source kubernetes unpacked nothing"; exit 1; }
+    echo "$tree"
+}
+
+# The vendored reflect2 v1.0.1 reads Go runtime internals that changed in Go 1.18: under Debian's Go 1.19 the
+# API server crashes on custom-resource requests. Debian's packaged reflect2 (1.0.2) is fixed.
+replace_reflect2() {
+    local tree="$1" src=/usr/share/gocode/src/github.com/modern-go/reflect2
+    [ -d "$src" ] || { log "$src missing (golang-github-modern-go-reflect2-dev)"; exit 1; }
+    rm -rf "$tree/vendor/github.com/modern-go/reflect2"
+    mkdir -p "$tree/vendor/github.com/modern-go/reflect2"
+    find "$src" -maxdepth 1 -type f -name '*.go' ! -name '*_test.go' -exec cp {} "$tree/vendor/github.com/modern-go/reflect2/" \;
+    find "$src" -maxdepth 1 -type f -name '*.s' -exec cp {} "$tree/vendor/github.com/modern-go/reflect2/" \;
+}
+
+build() {
+    local tree="$1" version ldflags="" pkg c
+    # Debian's version reads like 1.20.5+really1.20.2-1.1: the upstream release is the last x.y.z before "-".
+    version="$(sed -n '1{s/^[^ ]* (\([^)]*\)).*/\1/p;q}' "$tree/debian/changelog")"
+    version="$(echo "${version%-*}" | grep -o '[0-9]*\.[0-9]*\.[0-9]*' | tail -1)"
+    # Kubernetes 1.20 builds in GOPATH mode (as its hack/lib/golang.sh and Debian's rules do): in module mode
+    # Go 1.19 refuses its go.mod ("updates to go.mod needed"). Vendored packages then live under
+    # k8s.io/kubernetes/vendor/, which is where -X must point so that /version reports the real release.
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        pkg="k8s.io/kubernetes/vendor/$pkg"
+        ldflags+=" -X $pkg.gitVersion=v$version -X $pkg.gitTreeState=clean"
+        ldflags+=" -X $pkg.gitMajor=${version%%.*} -X $pkg.gitMinor=$(echo "$version" | cut -d. -f2)"
+    done
+    log "building ${COMPONENTS[*]} v$version (about 6 minutes on 2 cores; Go cache: $CACHE/go-build)"
+    local gopath="$CACHE/gopath"
+    mkdir -p "$gopath/src/k8s.io" "$CACHE/out"
+    ln -sfn "$tree" "$gopath/src/k8s.io/kubernetes"
+    (
+        cd "$gopath/src/k8s.io/kubernetes"
+        export GOCACHE="$CACHE/go-build" GOPATH="$gopath" GO111MODULE=off GOFLAGS= CGO_ENABLED=0
+        for c in "${COMPONENTS[@]}"; do
+            go build -ldflags "-s -w $ldflags" -o "$CACHE/out/$c" "k8s.io/kubernetes/cmd/$c" >&2
+        done
+    )
+    # Swap the finished binaries in at once, so an interrupted build never leaves a half-filled bin folder.
+    echo "$RECIPE" >"$CACHE/out/.recipe"
+    rm -rf "$BIN" && mv "$CACHE/out" "$BIN"
+}
+
+main() {
+    mkdir -p "$CACHE"
+    exec 9>"$CACHE/.lock"
+    flock 9
+    install_apt_packages
+    if ! built; then
+        local start=$SECONDS tree
+        tree="$(fetch_source)"
+        replace_reflect2 "$tree"
+        build "$tree"
+        log "built in $((SECONDS - start)) s"
+    fi
+    echo "$BIN"
+}
+
+main "$@"
