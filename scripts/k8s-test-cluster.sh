@@ -17,7 +17,8 @@ BIN="$CACHE/bin"
 COMPONENTS=(kube-apiserver kube-controller-manager)
 # Bump when the recipe changes so that cached binaries built by an older recipe are rebuilt.
 RECIPE=1
-APT_PACKAGES=(golang-go etcd-server dpkg-dev golang-github-modern-go-reflect2-dev ca-certificates)
+# make, rsync and jq: what the source package builds with (its Build-Depends); openssl: the tests' certificates.
+APT_PACKAGES=(golang-go etcd-server dpkg-dev golang-github-modern-go-reflect2-dev make rsync jq openssl ca-certificates)
 
 log() { echo "k8s-test-cluster: $*" >&2; }
 
@@ -105,29 +106,18 @@ replace_reflect2() {
 }
 
 build() {
-    local tree="$1" version ldflags="" pkg c
-    # Debian's version reads like 1.20.5+really1.20.2-1.1: the upstream release is the last x.y.z before "-".
-    version="$(sed -n '1{s/^[^ ]* (\([^)]*\)).*/\1/p;q}' "$tree/debian/changelog")"
-    version="$(echo "${version%-*}" | grep -o '[0-9]*\.[0-9]*\.[0-9]*' | tail -1)"
-    # Kubernetes 1.20 builds in GOPATH mode (as its hack/lib/golang.sh and Debian's rules do): in module mode
-    # Go 1.19 refuses its go.mod ("updates to go.mod needed"). Vendored packages then live under
-    # k8s.io/kubernetes/vendor/, which is where -X must point so that /version reports the real release.
-    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-        pkg="k8s.io/kubernetes/vendor/$pkg"
-        ldflags+=" -X $pkg.gitVersion=v$version -X $pkg.gitTreeState=clean"
-        ldflags+=" -X $pkg.gitMajor=${version%%.*} -X $pkg.gitMinor=$(echo "$version" | cut -d. -f2)"
-    done
-    log "building ${COMPONENTS[*]} v$version (about 6 minutes on 2 cores; Go cache: $CACHE/go-build)"
-    local gopath="$CACHE/gopath"
-    mkdir -p "$gopath/src/k8s.io" "$CACHE/out"
-    ln -sfn "$tree" "$gopath/src/k8s.io/kubernetes"
-    (
-        cd "$gopath/src/k8s.io/kubernetes"
-        export GOCACHE="$CACHE/go-build" GOPATH="$gopath" GO111MODULE=off GOFLAGS= CGO_ENABLED=0
-        for c in "${COMPONENTS[@]}"; do
-            go build -ldflags "-s -w $ldflags" -o "$CACHE/out/$c" "k8s.io/kubernetes/cmd/$c" >&2
-        done
-    )
+    local tree="$1" c
+    log "building ${COMPONENTS[*]} (about 6 minutes on 2 cores; Go's build cache: $CACHE/go-build)"
+    # Upstream's make, as Debian's rules run it: it generates the OpenAPI definitions the tarball lacks and
+    # stamps the release version (v1.20.2, from the archive) into the binaries. Kubernetes 1.20 builds in
+    # GOPATH mode; in module mode Go 1.19 refuses its go.mod ("updates to go.mod needed").
+    # The make scripts put Go's build cache inside the tree: a link keeps it in the cache folder instead.
+    mkdir -p "$tree/_output/local/go" "$CACHE/go-build"
+    ln -sfn "$CACHE/go-build" "$tree/_output/local/go/cache"
+    local what="${COMPONENTS[*]/#/cmd/}"
+    (cd "$tree" && env -u GOFLAGS GO111MODULE=off GOPROXY=off make WHAT="$what" GOLDFLAGS="-s -w" >&2)
+    rm -rf "$CACHE/out" && mkdir -p "$CACHE/out"
+    for c in "${COMPONENTS[@]}"; do cp "$tree/_output/bin/$c" "$CACHE/out/$c"; done
     # Swap the finished binaries in at once, so an interrupted build never leaves a half-filled bin folder.
     echo "$RECIPE" >"$CACHE/out/.recipe"
     rm -rf "$BIN" && mv "$CACHE/out" "$BIN"

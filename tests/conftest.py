@@ -82,3 +82,15 @@ def redis_url(redis_server: str) -> Iterator[str]:
     finally:
         client.close()
     yield redis_server
+
+
+@pytest.fixture(scope="session")
+def tiny_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted single-rank run of examples/tiny.yaml (runs.BASELINE_TRAINING): the reference that
+    resumed, restarted and data-parallel runs must reproduce."""
+    from runs import BASELINE_TRAINING, reinforce, write_spec
+
+    folder = tmp_path_factory.mktemp("baseline")
+    result = reinforce("run", str(write_spec(folder, training=BASELINE_TRAINING)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "run"

@@ -7,12 +7,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+# The training section of the `tiny_baseline` run (tests/conftest.py) that other runs are compared with.
+BASELINE_TRAINING = {"steps": 12, "checkpoint_every": 4}
 
 
 def write_spec(folder: Path, **overrides: dict) -> Path:
@@ -38,6 +42,15 @@ def start(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "reinforce.supervisor", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(RunPaths(run_dir).final_model).state_dict()
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    wa, wb = final_weights(a), final_weights(b)
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 180) -> None:

@@ -8,16 +8,23 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import redis_pid, reinforce, service_pids, start, wait_for_step, write_spec
+from runs import (
+    BASELINE_TRAINING,
+    max_weight_difference,
+    redis_pid,
+    reinforce,
+    service_pids,
+    start,
+    wait_for_step,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
-STEPS = 12
-SHORT = {"steps": STEPS, "checkpoint_every": 4}
+STEPS = BASELINE_TRAINING["steps"]
+SHORT = BASELINE_TRAINING
 
 
 def assert_each_step_trained_once(run_dir: Path, prompts_per_step: int = 8) -> None:
@@ -28,18 +35,6 @@ def assert_each_step_trained_once(run_dir: Path, prompts_per_step: int = 8) -> N
         assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return AutoModelForCausalLM.from_pretrained(RunPaths(run_dir).final_model).state_dict()
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    result = reinforce("run", str(write_spec(folder, training=SHORT)))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder / "run"
-
-
 def kill_mid_run(proc, run_dir: Path, pid_of) -> int:
     step = random.Random(os.getpid()).randint(2, STEPS - 3)
     wait_for_step(proc, run_dir, step)
@@ -47,7 +42,7 @@ def kill_mid_run(proc, run_dir: Path, pid_of) -> int:
     return step
 
 
-def test_killed_trainer_resumes_to_identical_weights(tmp_path, uninterrupted):
+def test_killed_trainer_resumes_to_identical_weights(tmp_path, tiny_baseline):
     """kill -9 the trainer with restarts off: the run fails; `reinforce run --resume` finishes it exactly."""
     proc = start("run", str(write_spec(tmp_path, training=SHORT, restart={"max_restarts": 0})))
     run_dir = tmp_path / "run"
@@ -57,25 +52,23 @@ def test_killed_trainer_resumes_to_identical_weights(tmp_path, uninterrupted):
 
     result = reinforce("run", "--resume", str(run_dir))
     assert result.returncode == 0, f"killed after step {killed_at}: {result.stderr[-3000:]}"
-    expected, resumed = final_weights(uninterrupted), final_weights(run_dir)
-    diff = max((expected[k] - resumed[k]).abs().max().item() for k in expected)
+    diff = max_weight_difference(tiny_baseline, run_dir)
     assert diff < 1e-6, f"killed after step {killed_at}: weights differ by {diff}"
     assert_each_step_trained_once(run_dir)
     rewards = [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(run_dir).metrics)]
     assert rewards == pytest.approx(
-        [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(uninterrupted).metrics)]
+        [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(tiny_baseline).metrics)]
     )
 
 
-def test_killed_trainer_is_restarted_and_resumes_on_its_own(tmp_path, uninterrupted):
+def test_killed_trainer_is_restarted_and_resumes_on_its_own(tmp_path, tiny_baseline):
     proc = start("run", str(write_spec(tmp_path, training=SHORT)))
     run_dir = tmp_path / "run"
     kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.trainer")[0])
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "component trainer exited with code -9; restart 1 of 3" in stderr
-    expected, resumed = final_weights(uninterrupted), final_weights(run_dir)
-    assert max((expected[k] - resumed[k]).abs().max().item() for k in expected) < 1e-6
+    assert max_weight_difference(tiny_baseline, run_dir) < 1e-6
     assert_each_step_trained_once(run_dir)
 
 

@@ -3,6 +3,7 @@
 redis-server, the Triton reward server, a generator and the trainer each run as their own process.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import reinforce, service_pids, start, wait_for_step, write_spec
+from runs import BASELINE_TRAINING, max_weight_difference, reinforce, service_pids, start, wait_for_step, write_spec
 
 
 @pytest.mark.slow
@@ -95,3 +96,14 @@ def test_asynchronous_run_keeps_lag_bounded_and_learns(tmp_path):
     assert all(0.5 < w < 1.5 for w in weights)
     rewards = [r["train_rollouts/rewards"] for r in rows]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_train_like_one(tmp_path, tiny_baseline):
+    """torchrun, 2 gloo ranks, each on its own half of every step's groups: the same updates as one rank."""
+    spec = write_spec(tmp_path, training={**BASELINE_TRAINING, "num_ranks": 2})
+    result = reinforce("run", str(spec))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max_weight_difference(tiny_baseline, tmp_path / "run") < 1e-5
+    audit = [json.loads(line) for line in RunPaths(tmp_path / "run").trained_groups.read_text().splitlines()]
+    assert all(sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(8)) for r in audit)

@@ -42,6 +42,7 @@ def test_defaults_follow_nemo_aligner():
         ({"reward": {"type": "python"}}, "reward: Value error, type python needs function"),
         ({"reward": {"type": "python", "function": "no colon"}}, "reward.function: String should match pattern"),
         ({"name": "Has Spaces"}, "name: String should match pattern"),
+        ({"training": {"prompts_per_step": 6, "num_ranks": 4}}, "training.prompts_per_step (6) must be a multiple"),
     ],
 )
 def test_bad_fields_are_named(patch, expected):

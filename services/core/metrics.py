@@ -63,7 +63,8 @@ def prometheus_name(name: str) -> str:
 class TrainerMetrics:
     """The trainer's gauges and its metrics.jsonl, written together so the two never disagree."""
 
-    def __init__(self, jsonl_path: Path, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, jsonl_path: Path | None, registry: CollectorRegistry | None = None) -> None:
+        """jsonl_path None: Prometheus only (data-parallel ranks other than the main one)."""
         self.registry = registry or CollectorRegistry()
         self._gauges = {
             name: Gauge(prometheus_name(name), doc, registry=self.registry) for name, doc in STEP_METRICS.items()
@@ -75,8 +76,10 @@ class TrainerMetrics:
             buckets=(0, 1, 2, 3, 4, 8),
             registry=self.registry,
         )
-        jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self._jsonl: IO[str] = jsonl_path.open("a", buffering=1)
+        self._jsonl: IO[str] | None = None
+        if jsonl_path is not None:
+            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = jsonl_path.open("a", buffering=1)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         unknown = set(values) - set(STEP_METRICS)
@@ -85,11 +88,13 @@ class TrainerMetrics:
         for name, value in values.items():
             self._gauges[name].set(value)
         self._step.set(step)
-        row = {STEP: step, TIME: time.time(), **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
+        if self._jsonl is not None:
+            row = {STEP: step, TIME: time.time(), **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+            self._jsonl.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
 
 
 class GeneratorMetrics:

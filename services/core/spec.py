@@ -157,6 +157,7 @@ class TrainingSpec(_Section):
 
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
+    num_ranks: int = Field(1, ge=1, description="Data-parallel trainer processes (torchrun; gloo on CPU, NCCL on GPU).")
     micro_batch_prompts: int = Field(
         2,
         ge=1,
@@ -199,6 +200,16 @@ class RunSpec(_Section):
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
+
+    @model_validator(mode="after")
+    def _groups_split_evenly_across_ranks(self) -> RunSpec:
+        t = self.training
+        if t.prompts_per_step % t.num_ranks:
+            raise ValueError(
+                f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of training.num_ranks "
+                f"({t.num_ranks}): every rank trains the same number of whole prompt groups"
+            )
+        return self
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

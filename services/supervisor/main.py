@@ -147,6 +147,15 @@ class Supervisor:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
         return argv
 
+    def trainer_argv(self) -> list[str]:
+        argv = self.service_argv("reinforce.trainer", metrics_port=free_port())
+        ranks = self.spec.training.num_ranks
+        if ranks == 1:
+            return argv
+        # torchrun starts one process per rank and stops them all if one dies (then the restart policy acts)
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+        return [*launcher, "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv[1:]]
+
     def start_redis(self) -> None:
         port = free_port()
         password = secrets.token_urlsafe(24)
@@ -190,7 +199,7 @@ class Supervisor:
         self.start_redis()
         reward_url = self.start_reward()
         generator_urls = self.start_generators(reward_url)
-        trainer = self.component("trainer", self.service_argv("reinforce.trainer", metrics_port=free_port()))
+        trainer = self.component("trainer", self.trainer_argv())
         reconciler = WeightReconciler(
             RolloutQueue(connect(self.env[REDIS_URL_ENV]), self.spec.name), generator_urls, self.env[CONTROL_TOKEN_ENV]
         )

@@ -29,6 +29,7 @@ from reinforce.core.algorithm import (
 )
 from reinforce.core.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 from reinforce.core.data import PromptCursor, read_prompt_file
+from reinforce.core.distributed import Ranks
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import encode_prompt_checked, load_policy, load_tokenizer, response_logprobs
 from reinforce.core.plot import plot_metrics
@@ -39,7 +40,26 @@ from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
 from reinforce.core.weights import publish
 
 log = logging.getLogger("reinforce.trainer")
-CONSUMER = "trainer"
+# How each step metric combines across data-parallel ranks (the rest are averaged).
+SUMMED_METRICS = {
+    "train_optim/loss",
+    "train_rollouts/dropped_nonfinite_rewards",
+    "train_rollouts/dropped_stale_groups",
+    "timers/generate",
+    "timers/reward",
+    "data/truncated_prompts",
+    "data/skipped_long_prompts",
+}
+MAXED_METRICS = {
+    "train_rollouts/policy_lag_max",
+    "train_rollouts/importance_weight_max",
+    "timers/rollout_time",
+    "timers/init_logprobs",
+    "timers/train_time",
+    "timers/weight_publish",
+    "timers/step_time",
+}
+DATA_STATS = ("data/truncated_prompts", "data/skipped_long_prompts")
 
 
 def lr_factor(training: TrainingSpec, step: int) -> float:
@@ -76,27 +96,104 @@ class StepBatch:
         return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()))
 
 
-class Trainer:
-    def __init__(self, spec: RunSpec, redis_url: str) -> None:
+class PolicyUpdate:
+    """The policy, its frozen reference, AdamW and the LR schedule: one optimisation step per rollout batch."""
+
+    def __init__(self, spec: RunSpec, policy_dir: Path, ranks: Ranks) -> None:
         self.spec = spec
-        self.paths = RunPaths(spec.resolved_run_dir())
-        torch.manual_seed(spec.seed)
-        self.tokenizer = load_tokenizer(self.paths.initial_policy)
-        self.policy = load_policy(self.paths.initial_policy).train()
+        self.ranks = ranks
+        self.policy = load_policy(policy_dir).train()
         # The reference is always the initial policy, also after a resume.
-        self.reference = load_policy(self.paths.initial_policy).requires_grad_(False)
+        self.reference = load_policy(policy_dir).requires_grad_(False)
         t = spec.training
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
+
+    def apply(self, batch: StepBatch, version: int) -> dict[str, float]:
+        """One optimisation pass over this rank's groups of the step (trained weights: `version`),
+        micro-batched by whole groups (RLOO needs them); gradients are summed over ranks."""
+        alg, t = self.spec.algorithm, self.spec.training
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = self.ranks.sum(batch.num_tokens)  # the loss is the token mean over every rank's batch
+        kl_all, rwk_all, adv_all = [], [], []
+        loss_total, ref_seconds = 0.0, 0.0
+        mismatch, weights = TokenStats(), TokenStats()
+        train_start = time.perf_counter()
+        for start in range(0, len(batch.groups), t.micro_batch_prompts):
+            rows = slice(start, start + t.micro_batch_prompts)
+            groups = batch.groups[rows]
+            prompt_ids = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
+            response_ids = [list(s.token_ids) for g in groups for s in g.samples]
+            ref_start = time.perf_counter()
+            with torch.no_grad():
+                ref_logprobs, _ = response_logprobs(
+                    self.reference, prompt_ids, response_ids, self.spec.generation.temperature
+                )
+            ref_seconds += time.perf_counter() - ref_start
+            logprobs, mask = response_logprobs(self.policy, prompt_ids, response_ids, self.spec.generation.temperature)
+            shape = batch.rewards[rows].shape
+            kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
+            adv = rloo_advantages(
+                batch.rewards[rows], kl.view(shape), batch.is_end[rows], alg.initial_policy_kl_penalty
+            )
+            loss_mask = mask * batch.keep[rows].reshape(-1, 1)
+            behaviour = generator_logprobs(groups, like=logprobs)
+            rho = None
+            if alg.max_policy_lag > 0:
+                rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
+                weights.add(rho, loss_mask)
+            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, num_tokens, rho)
+            loss.backward()
+            loss_total += loss.item()
+            # train/inference mismatch: only where the generator had the very weights being trained
+            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
+            mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
+            kl_all.append(adv.kl)
+            rwk_all.append(adv.rewards_with_kl)
+            adv_all.append(adv.advantages)
+        self.ranks.sum_gradients(self.policy.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        keep = batch.keep
+        return {
+            "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
+            "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
+            "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
+            "train_rollouts/logprob_mismatch": mismatch.mean(),
+            "train_rollouts/importance_weight_mean": weights.mean(),
+            "train_rollouts/importance_weight_max": weights.max,
+            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
+            "train_optim/loss": loss_total,
+            "train_optim/grad_norm": grad_norm.item(),
+            "train_optim/lr": lr,
+            "timers/init_logprobs": ref_seconds,
+            "timers/train_time": time.perf_counter() - train_start - ref_seconds,
+        }
+
+
+class Trainer:
+    """Rank 0 (the main rank) also feeds prompts, publishes weights, checkpoints and writes the metrics."""
+
+    def __init__(self, spec: RunSpec, redis_url: str, ranks: Ranks | None = None) -> None:
+        self.spec = spec
+        self.ranks = ranks or Ranks()
+        self.consumer = f"trainer-{self.ranks.rank}"
+        self.paths = RunPaths(spec.resolved_run_dir())
+        torch.manual_seed(spec.seed)
+        self.tokenizer = load_tokenizer(self.paths.initial_policy)
+        self.update = PolicyUpdate(spec, self.paths.initial_policy, self.ranks)
+        self.policy = self.update.policy
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
         self.cursor = PromptCursor(
             read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts, spec.seed, spec.data.shuffle
         )
         self.queue = RolloutQueue(connect(redis_url), spec.name)
         self.queue.ensure_groups()
-        self.metrics = TrainerMetrics(self.paths.metrics)
+        self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
         self.step = 0
         self.stopping = False
         # Steps whose prompts are enqueued but not yet trained: up to max_policy_lag + 1 of them.
@@ -111,28 +208,31 @@ class Trainer:
         checkpoints = list_checkpoints(self.paths.checkpoints)
         if not checkpoints:
             return
-        state = load_checkpoint(checkpoints[-1], self.policy, self.optimizer, self.scheduler)
+        state = load_checkpoint(checkpoints[-1], self.policy, self.update.optimizer, self.update.scheduler)
         self.cursor = PromptCursor.from_state(self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor)
         self.step = state.step
-        _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
-        _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
+        if self.ranks.is_main:
+            _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
+            _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
         log.info("resumed from %s at step %d", checkpoints[-1], self.step)
 
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
         redone from the checkpoint, with the same prompts and seeds, so they are simply dropped."""
-        stale = self.queue.read_rollouts(CONSUMER, count=100_000, block_ms=0, pending=True)
+        stale = self.queue.read_rollouts(self.consumer, count=100_000, block_ms=0, pending=True)
         if stale:
             self.queue.ack_rollouts([entry_id for entry_id, _ in stale])
             log.info("dropped %d rollout groups of an interrupted step", len(stale))
 
     def run(self) -> None:
-        self.publish_weights()
+        if self.ranks.is_main:
+            self.publish_weights()
         while self.step < self.spec.training.steps and not self.stopping:
             self.train_step()
-            if self.step % self.spec.training.checkpoint_every == 0 or self.step == self.spec.training.steps:
+            last = self.step == self.spec.training.steps
+            if self.ranks.is_main and (self.step % self.spec.training.checkpoint_every == 0 or last):
                 self.checkpoint()
-        if self.step == self.spec.training.steps:
+        if self.step == self.spec.training.steps and self.ranks.is_main:
             self.finish()
 
     def publish_weights(self) -> float:
@@ -149,8 +249,8 @@ class Trainer:
             self.paths.checkpoints,
             state,
             self.policy,
-            self.optimizer,
-            self.scheduler,
+            self.update.optimizer,
+            self.update.scheduler,
             self.spec.training.keep_checkpoints,
         )
         log.info("checkpoint %s", path)
@@ -164,22 +264,29 @@ class Trainer:
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self) -> None:
         step_start = time.perf_counter()
-        self.fill_pipeline()
+        if self.ranks.is_main:
+            self.fill_pipeline()
         entry_ids, groups = self.collect_groups(self.step)
         rollout_time = time.perf_counter() - step_start
         batch = StepBatch.from_groups(groups)
-        values = self.optimise(batch)
+        values = self.update.apply(batch, version=self.step)
         trained = self.step
         self.step += 1
-        values["timers/weight_publish"] = self.publish_weights()
+        values["timers/weight_publish"] = self.publish_weights() if self.ranks.is_main else 0.0
+        self.ranks.barrier()
         # Acknowledge only once the step's effect (the new weights) is written.
         self.queue.ack_rollouts(entry_ids)
+        indices = self.ranks.gather_ints([_prompt_index(g) for g in groups], len(groups))
+        values.update(self.rollout_stats(batch, rollout_time, trained))
+        values.update(self.data_stats.pop(trained, dict.fromkeys(DATA_STATS, 0.0)))
+        values["timers/step_time"] = time.perf_counter() - step_start
+        values = self.ranks.reduce_metrics(values, SUMMED_METRICS, MAXED_METRICS)
+        if not self.ranks.is_main:
+            return
         del self.in_flight[trained]
         self.cursor_before.pop(trained, None)
-        _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": [g.prompt_id for g in groups]})
-        values.update(self.rollout_stats(batch, rollout_time, trained))
-        values.update(self.data_stats.pop(trained))
-        values["timers/step_time"] = time.perf_counter() - step_start
+        trained_ids = [f"{trained}-{i}" for i in indices]
+        _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": trained_ids})
         self.metrics.record(self.step, values)
         log.info(
             "step %d reward %.4f kl %.4f loss %.4f",
@@ -196,6 +303,18 @@ class Trainer:
             if step not in self.in_flight:
                 self.cursor_before[step] = self.cursor.state()
                 self.in_flight[step] = self.enqueue_prompts(step)
+
+    def prompt_of(self, group: RolloutGroup) -> Prompt:
+        """The prompt a group answered, rebuilt from the group (any rank can re-enqueue it)."""
+        return Prompt(
+            id=group.prompt_id,
+            step=group.step,
+            policy_version=max(0, group.step - self.spec.algorithm.max_policy_lag),
+            text=group.prompt_text,
+            token_ids=group.prompt_token_ids,
+            num_samples=self.spec.algorithm.num_rollouts_per_prompt,
+            seed=prompt_seed(self.spec.seed, group.prompt_id),
+        )
 
     def enqueue_prompts(self, step: int) -> list[Prompt]:
         """Enqueue a step's prompts_per_step prompts.
@@ -240,13 +359,15 @@ class Trainer:
         or duplicates are stale and acknowledged away; a group sampled by weights more than max_policy_lag
         versions old is dropped, counted, and its prompt enqueued again.
         """
-        prompts = self.in_flight[step]
-        order = {p.id: i for i, p in enumerate(prompts)}
+        # Prompt ids are "<step>-<index>"; each rank trains an equal share of the step's groups.
+        order = {f"{step}-{i}": i for i in range(self.spec.training.prompts_per_step)}
+        share = self.spec.training.prompts_per_step // self.ranks.world
         groups: dict[str, tuple[str, RolloutGroup]] = {pid: self.early.pop(pid) for pid in order if pid in self.early}
-        while len(groups) < len(prompts):
+        while len(groups) < share:
             if self.stopping:
                 raise SystemExit(0)
-            for entry_id, group in self.queue.read_rollouts(CONSUMER, count=len(prompts), block_ms=1000):
+            wanted = share - len(groups)
+            for entry_id, group in self.queue.read_rollouts(self.consumer, count=wanted, block_ms=1000):
                 self.sort_group(step, order, groups, entry_id, group)
         ordered = sorted(groups.values(), key=lambda e: order[e[1].prompt_id])
         return [entry_id for entry_id, _ in ordered], [group for _, group in ordered]
@@ -260,73 +381,13 @@ class Trainer:
             log.warning("group %s is %d versions old: dropped, prompt re-enqueued", group.prompt_id,
                         step - group.policy_version)  # fmt: skip
             self.dropped_groups += 1
-            self.queue.put_prompts([self.in_flight[step][order[group.prompt_id]]])
-        elif group.step in self.in_flight and group.step > step and group.prompt_id not in self.early:
+            self.queue.put_prompts([self.prompt_of(group)])
+        elif step < group.step <= step + lag_limit and group.prompt_id not in self.early:
             self.early[group.prompt_id] = (entry_id, group)
             return
         else:
             log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
         self.queue.ack_rollouts([entry_id])
-
-    def optimise(self, batch: StepBatch) -> dict[str, float]:
-        """One optimisation pass over the step's groups, micro-batched by whole groups (RLOO needs them)."""
-        alg, t = self.spec.algorithm, self.spec.training
-        self.optimizer.zero_grad(set_to_none=True)
-        kl_all, rwk_all, adv_all = [], [], []
-        loss_total, ref_seconds = 0.0, 0.0
-        mismatch, weights = TokenStats(), TokenStats()
-        train_start = time.perf_counter()
-        for start in range(0, len(batch.groups), t.micro_batch_prompts):
-            rows = slice(start, start + t.micro_batch_prompts)
-            groups = batch.groups[rows]
-            prompt_ids = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
-            response_ids = [list(s.token_ids) for g in groups for s in g.samples]
-            ref_start = time.perf_counter()
-            with torch.no_grad():
-                ref_logprobs, _ = response_logprobs(
-                    self.reference, prompt_ids, response_ids, self.spec.generation.temperature
-                )
-            ref_seconds += time.perf_counter() - ref_start
-            logprobs, mask = response_logprobs(self.policy, prompt_ids, response_ids, self.spec.generation.temperature)
-            shape = batch.rewards[rows].shape
-            kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
-            adv = rloo_advantages(
-                batch.rewards[rows], kl.view(shape), batch.is_end[rows], alg.initial_policy_kl_penalty
-            )
-            loss_mask = mask * batch.keep[rows].reshape(-1, 1)
-            behaviour = generator_logprobs(groups, like=logprobs)
-            rho = None
-            if alg.max_policy_lag > 0:
-                rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
-                weights.add(rho, loss_mask)
-            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, batch.num_tokens, rho)
-            loss.backward()
-            loss_total += loss.item()
-            # train/inference mismatch: only where the generator had the very weights being trained
-            same_version = torch.tensor([g.policy_version == self.step for g in groups for _ in g.samples])
-            mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
-            kl_all.append(adv.kl)
-            rwk_all.append(adv.rewards_with_kl)
-            adv_all.append(adv.advantages)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        keep = batch.keep
-        return {
-            "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
-            "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
-            "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
-            "train_rollouts/logprob_mismatch": mismatch.mean(),
-            "train_rollouts/importance_weight_mean": weights.mean(),
-            "train_rollouts/importance_weight_max": weights.max,
-            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
-            "train_optim/loss": loss_total,
-            "train_optim/grad_norm": grad_norm.item(),
-            "train_optim/lr": lr,
-            "timers/init_logprobs": ref_seconds,
-            "timers/train_time": time.perf_counter() - train_start - ref_seconds,
-        }
 
     def rollout_stats(self, batch: StepBatch, rollout_time: float, trained_step: int) -> dict[str, float]:
         samples = [s for g in batch.groups for s in g.samples]
@@ -357,6 +418,10 @@ class Trainer:
             "queue/prompts_pending": float(depths["prompts"]),
             "queue/rollouts_waiting": float(depths["rollouts_unread"]),
         }
+
+
+def _prompt_index(group: RolloutGroup) -> int:
+    return int(group.prompt_id.rsplit("-", 1)[1])
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
@@ -411,8 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-    trainer = Trainer(load_spec(args.spec), args.redis_url)
-    if args.metrics_port:
+    ranks = Ranks.from_environment()
+    trainer = Trainer(load_spec(args.spec), args.redis_url, ranks)
+    if args.metrics_port and ranks.is_main:
         start_http_server(args.metrics_port, registry=trainer.metrics.registry)
 
     def stop(signum: int, _frame: object) -> None:
