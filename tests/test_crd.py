@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import secrets
+import ssl
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -240,19 +242,25 @@ def test_invalid_status_is_rejected(runs: client.CustomObjectsApi, namespace: st
 
 
 @pytest.mark.slow
-def test_printer_columns(api: client.ApiClient, runs: client.CustomObjectsApi, namespace: str) -> None:
+def test_printer_columns(
+    kube_apiserver: KubeCluster,  # noqa: F811
+    runs: client.CustomObjectsApi,
+    namespace: str,
+) -> None:
     runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run())
     status = {"phase": "Running", "step": 7, "reward": 0.5, "kl": 0.02, "generatorsReady": "2/3"}
     runs.patch_namespaced_custom_object_status(*API, namespace, crd.PLURAL, "tiny", {"status": status})
     # what `kubectl get rr` shows: the server renders the columns as a Table
-    response = api.call_api(
-        f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.PLURAL}",
-        "GET",
-        header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
-        auth_settings=["BearerToken"],
-        _preload_content=False,
+    request = urllib.request.Request(
+        f"{kube_apiserver.server}/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.PLURAL}",
+        headers={
+            "Authorization": f"Bearer {kube_apiserver.admin_token}",
+            "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io",
+        },
     )
-    table = json.loads(response[0].data)
+    context = ssl.create_default_context(cafile=str(kube_apiserver.ca_file))
+    with urllib.request.urlopen(request, context=context, timeout=10) as response:
+        table = json.load(response)
     columns = [c["name"] for c in table["columnDefinitions"]]
     assert columns == ["Name", "Phase", "Step", "Reward", "KL", "Generators", "Weights", "Age"]
     assert table["rows"][0]["cells"][:6] == ["tiny", "Running", 7, 0.5, 0.02, "2/3"]

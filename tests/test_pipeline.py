@@ -5,6 +5,7 @@ redis-server, the Triton reward server, a generator and the trainer each run as 
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -107,3 +108,23 @@ def test_two_data_parallel_ranks_train_like_one(tmp_path, tiny_baseline):
     assert max_weight_difference(tiny_baseline, tmp_path / "run") < 1e-5
     audit = [json.loads(line) for line in RunPaths(tmp_path / "run").trained_groups.read_text().splitlines()]
     assert all(sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(8)) for r in audit)
+
+
+@pytest.mark.slow
+def test_two_generators_streaming_weights_over_http(tmp_path, tiny_baseline):
+    """weights.transport http: both generators stream every version from the trainer's endpoint; sampling
+    depends only on (weights, prompt, seed), so two generators train like one."""
+    spec = write_spec(
+        tmp_path, training=BASELINE_TRAINING, weights={"transport": "http"}, generation={"num_generators": 2}
+    )
+    result = reinforce("run", str(spec))
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = RunPaths(tmp_path / "run").logs
+    assert "serving weights at http://127.0.0.1:" in (logs / "trainer.log").read_text()
+    for name in ("generator-0", "generator-1"):
+        loaded = re.findall(r"loaded weight version (\d+)", (logs / f"{name}.log").read_text())
+        # every version a step was sampled with (the last one may arrive after the run ended)
+        assert [int(v) for v in loaded][: BASELINE_TRAINING["steps"] - 1] == list(
+            range(1, BASELINE_TRAINING["steps"])
+        ), name
+    assert max_weight_difference(tiny_baseline, tmp_path / "run") < 1e-5

@@ -120,6 +120,12 @@ class GeneratorMetrics:
         self.weight_load_seconds = Gauge(
             PREFIX + "generator_weight_load_seconds", "Seconds the last weight load took.", registry=r
         )
+        self.weight_fetch_seconds = Gauge(
+            PREFIX + "generator_weight_fetch_seconds",
+            "Seconds the last weight version took to transfer and check (sha256).",
+            registry=r,
+        )
+        self.weight_bytes = Counter(PREFIX + "generator_weight_bytes", "Weight bytes fetched.", registry=r)
         self.nonfinite_rewards = Counter(
             PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
         )

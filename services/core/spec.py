@@ -174,6 +174,17 @@ class TrainingSpec(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
 
 
+class WeightsSpec(_Section):
+    """How weight versions travel from the trainer to the generators."""
+
+    transport: Literal["file", "http"] = Field(
+        "file",
+        description="file: generators read the run folder (a shared volume); http: they stream each version "
+        "from the trainer's weight endpoint. Both check the sha256 before loading.",
+    )
+    keep_versions: int = Field(3, ge=1, description="Published versions kept on the trainer's disk.")
+
+
 class RestartSpec(_Section):
     """How the local supervisor restarts a crashed component (Kubernetes' restart policy does it on a cluster)."""
 
@@ -199,6 +210,7 @@ class RunSpec(_Section):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
 
     @model_validator(mode="after")

@@ -17,10 +17,13 @@ import hmac
 import logging
 import math
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -53,12 +56,14 @@ class WeightState:
 
 
 class Generator:
-    def __init__(self, spec: RunSpec, redis_url: str, reward_url: str, name: str) -> None:
+    def __init__(self, spec: RunSpec, redis_url: str, reward_url: str, name: str, token: str = "") -> None:
         self.spec = spec
         self.name = name
+        self.token = token  # also the trainer's weight endpoint's (weights.transport http)
         paths = RunPaths(spec.resolved_run_dir())
         self.tokenizer = load_tokenizer(paths.initial_policy)
         self.model = load_policy(paths.initial_policy)  # weight version 0
+        self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads
         self.queue = RolloutQueue(connect(redis_url), spec.name)
         self.queue.ensure_groups()
         self.reward = RewardClient.from_spec(reward_url, spec.reward)
@@ -81,7 +86,7 @@ class Generator:
                 return
         start = time.perf_counter()
         try:
-            load_verified(self.model, desired)
+            stats = load_verified(self.model, desired, cache_dir=self.weight_cache, token=self.token)
         except WeightError as err:
             log.error("refusing weights: %s", err)
             with self.weights.lock:
@@ -89,6 +94,8 @@ class Generator:
                 self.weights.desired = None  # wait for a new request rather than re-reading a bad file
             return
         self.metrics.weight_load_seconds.set(time.perf_counter() - start)
+        self.metrics.weight_fetch_seconds.set(stats.fetch_seconds)
+        self.metrics.weight_bytes.inc(stats.num_bytes)
         self.metrics.weight_version.set(desired.version)
         with self.weights.lock:
             self.weights.loaded = desired.version
@@ -257,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
-    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id)
+    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, token)
     config = uvicorn.Config(control_plane(gen, token), host="0.0.0.0", port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
@@ -266,3 +273,4 @@ def main(argv: list[str] | None = None) -> None:
         gen.run()
     finally:
         server.should_exit = True
+        shutil.rmtree(gen.weight_cache, ignore_errors=True)

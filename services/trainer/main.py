@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ from reinforce.core.models import encode_prompt_checked, load_policy, load_token
 from reinforce.core.plot import plot_metrics
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
+from reinforce.core.rollout import CONTROL_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
-from reinforce.core.weights import publish
+from reinforce.core.weights import WeightServer, publish
 
 log = logging.getLogger("reinforce.trainer")
 # How each step metric combines across data-parallel ranks (the rest are averaged).
@@ -202,6 +204,7 @@ class Trainer:
         self.data_stats: dict[int, dict[str, float]] = {}
         self.early: dict[str, tuple[str, RolloutGroup]] = {}  # groups of later steps that arrived early
         self.dropped_groups = 0
+        self.weights_base_url: str | None = None  # set by serve_weights (weights.transport http)
 
     # ---- run ---------------------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
@@ -235,9 +238,18 @@ class Trainer:
         if self.step == self.spec.training.steps and self.ranks.is_main:
             self.finish()
 
+    def serve_weights(self, port: int, advertise_host: str, token: str | None) -> None:
+        """weights.transport http: generators stream each version from this trainer's weight endpoint."""
+        self.weight_server = WeightServer(self.paths.weights, port=port, token=token)
+        self.weight_server.start()
+        self.weights_base_url = self.weight_server.base_url(advertise_host)
+        log.info("serving weights at %s", self.weights_base_url)
+
     def publish_weights(self) -> float:
         start = time.perf_counter()
-        weights = publish(self.policy, self.paths.weights, self.step)
+        weights = publish(
+            self.policy, self.paths.weights, self.step, self.spec.weights.keep_versions, self.weights_base_url
+        )
         self.queue.publish_weights(weights)
         return time.perf_counter() - start
 
@@ -474,10 +486,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
     add_redis_url_argument(parser)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
+    parser.add_argument("--weights-port", type=int, default=0, help="weights.transport http: port (0: any free)")
+    parser.add_argument(
+        "--advertise-host", default="127.0.0.1", help="host generators use to reach the weight endpoint"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     ranks = Ranks.from_environment()
-    trainer = Trainer(load_spec(args.spec), args.redis_url, ranks)
+    spec = load_spec(args.spec)
+    trainer = Trainer(spec, args.redis_url, ranks)
+    if spec.weights.transport == "http" and ranks.is_main:
+        trainer.serve_weights(args.weights_port, args.advertise_host, os.environ.get(CONTROL_TOKEN_ENV))
     if args.metrics_port and ranks.is_main:
         start_http_server(args.metrics_port, registry=trainer.metrics.registry)
 
