@@ -19,15 +19,15 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 BASELINE_TRAINING = {"steps": 12, "checkpoint_every": 4}
 
 
-def write_spec(folder: Path, **overrides: dict) -> Path:
-    """examples/tiny.yaml with its run folder in `folder` and any sections updated from `overrides`."""
-    spec = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+def write_spec(folder: Path, example: str = "tiny", **overrides: dict) -> Path:
+    """examples/EXAMPLE.yaml with its run folder in `folder` and any sections updated from `overrides`."""
+    spec = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())
     spec["run_dir"] = str(folder / "run")
     spec["data"]["prompts"] = str(EXAMPLES / spec["data"]["prompts"])
     for section, values in overrides.items():
         spec.setdefault(section, {}).update(values)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "tiny.yaml"
+    path = folder / f"{example}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
