@@ -1,11 +1,12 @@
 """Synchronous against asynchronous training, with one and two generators, side by side.
 
-    python benchmarks/async_throughput.py [--example tiny|quickstart] [--seconds 40] [--transport file|http]
+    python benchmarks/async_throughput.py [--examples tiny quickstart] [--seconds 40 300] [--transport file|http]
 
-Each configuration (max_policy_lag 0, 1, 2 x 1, 2 generators) runs the example for a fixed wall time from
-its first finished step, then is stopped. Printed per configuration: trained samples/s, the mean reward of
-the last 3 steps, the train/inference log-prob mismatch, the generators' mean weight sync time per version
-and its MB/s, next to the loopback copy bandwidth of the same weight file measured in the same run.
+For each example (by default both, in one invocation, each with its own wall time), each configuration
+(max_policy_lag 0, 1, 2 x 1, 2 generators) runs for a fixed wall time from its first finished step, then is
+stopped. Printed per configuration: trained samples/s, the mean reward of the last 3 steps, the
+train/inference log-prob mismatch, the generators' mean weight sync time per version and its MB/s, next to
+the loopback copy bandwidth of the same weight file measured in the same run.
 """
 
 import argparse
@@ -28,19 +29,19 @@ from runs import start, wait_for_step, write_spec
 LOADED = re.compile(r"loaded weight version \d+ in ([\d.]+)s")
 
 
-def run_for(folder: Path, args: argparse.Namespace, lag: int, generators: int) -> dict[str, float]:
+def run_for(folder: Path, example: str, seconds: float, transport: str, lag: int, generators: int) -> dict:
     spec = write_spec(
         folder,
-        example=args.example,
+        example=example,
         algorithm={"max_policy_lag": lag},
         generation={"num_generators": generators},
         training={"steps": 100_000, "checkpoint_every": 100_000},
-        weights={"transport": args.transport},
+        weights={"transport": transport},
     )
     proc = start("run", str(spec))
     run = RunPaths(folder / "run")
     wait_for_step(proc, run.root, 1, timeout_s=900)
-    time.sleep(args.seconds)
+    time.sleep(seconds)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=120)
     rows = read_metrics(run.metrics)
@@ -74,16 +75,21 @@ def copy_bandwidth(path: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--example", default="tiny", choices=["tiny", "quickstart"])
-    parser.add_argument("--seconds", type=float, default=40.0, help="wall time per configuration")
+    parser.add_argument("--examples", nargs="+", default=["tiny", "quickstart"], choices=["tiny", "quickstart"])
+    parser.add_argument("--seconds", nargs="+", type=float, default=[40.0, 300.0], help="wall time per example")
     parser.add_argument("--transport", default="file", choices=["file", "http"])
     args = parser.parse_args()
+    for example, seconds in zip(args.examples, args.seconds, strict=True):
+        benchmark(example, seconds, args.transport)
+
+
+def benchmark(example: str, seconds: float, transport: str) -> None:
     header = "lag gens  samples/s  reward@end  mismatch  mean lag  sync s/version  sync MB/s  copy MB/s  sync/copy"
-    print(f"{args.example}, {args.seconds:.0f} s per configuration, weights over {args.transport}\n{header}")
+    print(f"\n{example}, {seconds:.0f} s per configuration, weights over {transport}\n{header}")
     for lag in (0, 1, 2):
         for generators in (1, 2):
             with tempfile.TemporaryDirectory() as tmp:
-                r = run_for(Path(tmp), args, lag, generators)
+                r = run_for(Path(tmp), example, seconds, transport, lag, generators)
             sync_mb_s = r["weight_mb"] / r["sync_s"] if r["sync_s"] else float("inf")
             print(
                 f"{lag:>3} {generators:>4} {r['samples_per_s']:>10.1f} {r['reward_end']:>11.3f} "

@@ -121,6 +121,8 @@ build() {
     # Swap the finished binaries in at once, so an interrupted build never leaves a half-filled bin folder.
     echo "$RECIPE" >"$CACHE/out/.recipe"
     rm -rf "$BIN" && mv "$CACHE/out" "$BIN"
+    # The unpacked tree (~0.8 GB) is not needed any more; Go's build cache stays for the next rebuild.
+    rm -rf "$CACHE/src"
 }
 
 main() {
