@@ -52,9 +52,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kill-at", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--only", nargs="+", choices=list(VICTIMS), default=list(VICTIMS))
     args = parser.parse_args()
     print(f"{'killed':<10} {'stall (s)':>10} {'median step (s)':>16}")
-    for victim in VICTIMS:
+    for victim in args.only:
         stall, step = measure(victim, args.kill_at, args.steps)
         print(f"{victim:<10} {stall:>10.2f} {step:>16.2f}", flush=True)
 
