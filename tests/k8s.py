@@ -12,9 +12,11 @@ kubelet: pods stay Pending unless a test patches their status.
 from __future__ import annotations
 
 import base64
+import ctypes
 import os
 import secrets
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -28,12 +30,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes import client, config
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "scripts" / "k8s-test-cluster.sh"
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "reinforce-test-admin"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+START_ATTEMPTS = 3
+WORKDIR_PREFIX = "reinforce-k8s-"
 
 
 class ClusterError(RuntimeError):
@@ -126,8 +132,6 @@ class KubeCluster:
 
     def kubeconfig_for_service_account(self, namespace: str, name: str, expiration_s: int = 86400) -> Path:
         """A kubeconfig holding a fresh token of ServiceAccount namespace/name (created if missing)."""
-        from kubernetes import client
-
         with self.api_client() as api:
             core = client.CoreV1Api(api)
             try:
@@ -139,14 +143,13 @@ class KubeCluster:
             token = core.create_namespaced_service_account_token(name, namespace, request).status.token
         return self.kubeconfig_for_token(token, f"sa-{namespace}-{name}")
 
-    def api_client(self, kubeconfig: Path | None = None):  # -> kubernetes.client.ApiClient
+    def api_client(self, kubeconfig: Path | None = None) -> client.ApiClient:
         """A client of the ``kubernetes`` package; the admin's unless another kubeconfig is given."""
-        from kubernetes import config
-
         return config.new_client_from_config(config_file=str(kubeconfig or self.admin_kubeconfig))
 
     def _write_kubeconfig(self, name: str, credentials: dict[str, str]) -> Path:
-        path = self.workdir / "kubeconfigs" / f"{name}.yaml"
+        # a new file each time: a kubeconfig handed out earlier keeps its credentials
+        path = self.workdir / "kubeconfigs" / f"{name}-{secrets.token_hex(3)}.yaml"
         path.parent.mkdir(exist_ok=True)
         cluster = {"server": self.server, "certificate-authority-data": _b64(self.ca.cert)}
         kubeconfig = {
@@ -169,8 +172,10 @@ class _ControlPlane:
         self.binaries = binaries
         # etcd fsyncs every write: in memory (/dev/shm) that costs nothing; the data is thrown away anyway.
         shm = Path("/dev/shm")
-        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-        self.workdir = Path(tempfile.mkdtemp(prefix="reinforce-k8s-", dir=base))
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        _remove_stale_workdirs(base)
+        self.workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base))
+        (self.workdir / "owner.pid").write_text(str(os.getpid()))
         self.logs = self.workdir / "logs"
         self.logs.mkdir()
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -198,7 +203,9 @@ class _ControlPlane:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
         with open(self.logs / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
         self.procs.append((name, proc))
         return proc
 
@@ -250,8 +257,6 @@ class _ControlPlane:
 
     def _wait_for_controllers(self, cluster: KubeCluster) -> None:
         # The default ServiceAccount appears once the controllers run with their own credentials.
-        from kubernetes import client
-
         def default_account() -> bool:
             with cluster.api_client() as api:
                 try:
@@ -273,6 +278,23 @@ class _ControlPlane:
         raise self._fail(name, f"was not ready within {timeout_s:.0f} s")
 
 
+def _die_with_parent() -> None:
+    # A test process killed outright (SIGKILL, OOM) runs no teardown: the kernel then stops its servers.
+    # SIGKILL, because kube-apiserver does not finish a graceful shutdown once etcd is gone.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _remove_stale_workdirs(base: Path) -> None:
+    """Folders left by test processes that were killed outright (etcd's WAL alone is 64 MB of /dev/shm)."""
+    for folder in base.glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            os.kill(int((folder / "owner.pid").read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # another user's, or being created right now
+
+
 def _http_ok(url: str, token: str | None = None, context: ssl.SSLContext | None = None) -> bool:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -291,6 +313,20 @@ class _Shared:
     users = 0
 
 
+def _start_control_plane() -> tuple[_ControlPlane, KubeCluster]:
+    binaries = k8s_binaries()
+    for attempt in range(1, START_ATTEMPTS + 1):
+        plane = _ControlPlane(binaries)
+        try:
+            return plane, plane.start()
+        except BaseException as err:
+            plane.stop()
+            # Another process can take a free port before our server binds it: then start over on new ports.
+            if attempt == START_ATTEMPTS or "address already in use" not in str(err):
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def kube_apiserver() -> Iterator[KubeCluster]:
     """A running etcd + kube-apiserver (RBAC, token auth) + kube-controller-manager, shared by the session.
@@ -299,13 +335,7 @@ def kube_apiserver() -> Iterator[KubeCluster]:
     starting the control plane takes a few seconds. Everything is stopped and deleted at the session's end.
     """
     if _Shared.cluster is None:
-        plane = _ControlPlane(k8s_binaries())
-        try:
-            _Shared.cluster = plane.start()
-        except BaseException:
-            plane.stop()
-            raise
-        _Shared.plane = plane
+        _Shared.plane, _Shared.cluster = _start_control_plane()
     _Shared.users += 1
     try:
         yield _Shared.cluster

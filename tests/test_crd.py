@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import secrets
 import ssl
 import time
@@ -16,6 +17,7 @@ import pytest
 import yaml
 from k8s import KubeCluster, kube_apiserver  # noqa: F401
 from kubernetes import client
+from pydantic import BaseModel
 
 from reinforce.core import crd
 from reinforce.core.spec import RunSpec, load_spec
@@ -66,6 +68,39 @@ def test_spec_schema_covers_the_model_but_not_name_and_run_dir() -> None:
     assert properties["training"]["properties"]["adam_betas"]["minItems"] == 2
     assert properties["policy"]["properties"]["path"]["nullable"] is True
     assert properties["reward"]["properties"]["kwargs"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+class _Union(BaseModel):
+    x: int | str = 1
+
+
+class _MixedTuple(BaseModel):
+    t: tuple[int, str] = (1, "a")
+
+
+class _Set(BaseModel):
+    s: set[int] = set()
+
+
+@pytest.mark.parametrize(
+    ("model", "complaint"),
+    [
+        (_Union, "spec.x: a union of several types"),
+        (_MixedTuple, "spec.t: a tuple of different types"),
+        (_Set, "spec.s: 'uniqueItems' has no structural-schema equivalent"),
+    ],
+)
+def test_fields_a_structural_schema_cannot_say_are_refused_by_name(model: type[BaseModel], complaint: str) -> None:
+    with pytest.raises(crd.CRDSchemaError, match=re.escape(complaint)):
+        crd.spec_schema(model, exclude=frozenset())
+
+
+def test_typed_dicts_keep_their_value_schema() -> None:
+    class Limits(BaseModel):
+        limits: dict[str, int] = {}
+
+    schema = crd.spec_schema(Limits, exclude=frozenset())["properties"]["limits"]
+    assert schema == {"type": "object", "default": {}, "additionalProperties": {"type": "integer"}}
 
 
 # ---- against a real API server ------------------------------------------------------------------------------
@@ -292,3 +327,39 @@ def test_deleting_a_run_collects_what_it_owns(
 
     # the garbage collector notices a new resource type at its next discovery sync (every 30 s)
     wait_for(collected, timeout_s=90, interval_s=0.5)
+
+
+@pytest.mark.slow
+def test_rbac_governs_who_may_touch_runs(
+    kube_apiserver: KubeCluster,  # noqa: F811
+    api: client.ApiClient,
+    namespace: str,
+) -> None:
+    # A ServiceAccount and a user group, each bound to a role that may only read ReinforceRuns in one namespace.
+    rbac = client.RbacAuthorizationV1Api(api)
+    rule = {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["get", "list", "watch"]}
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "run-reader"}, "rules": [rule]})
+    subjects = [
+        {"kind": "ServiceAccount", "name": "reader", "namespace": namespace},
+        {"kind": "Group", "name": "run-readers", "apiGroup": "rbac.authorization.k8s.io"},
+    ]
+    role_ref = {"kind": "Role", "name": "run-reader", "apiGroup": "rbac.authorization.k8s.io"}
+    rbac.create_namespaced_role_binding(
+        namespace, {"metadata": {"name": "run-reader"}, "subjects": subjects, "roleRef": role_ref}
+    )
+    client.CustomObjectsApi(api).create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run())
+    kubeconfigs = [
+        kube_apiserver.kubeconfig_for_service_account(namespace, "reader"),
+        kube_apiserver.kubeconfig_for_user("ada", groups=["run-readers"]),
+    ]
+    for kubeconfig in kubeconfigs:
+        with kube_apiserver.api_client(kubeconfig) as reader_client:
+            reader = client.CustomObjectsApi(reader_client)
+            found = reader.list_namespaced_custom_object(*API, namespace, crd.PLURAL)
+            assert [item["metadata"]["name"] for item in found["items"]] == ["tiny"]
+            with pytest.raises(client.ApiException) as raised:
+                reader.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run("other"))
+            assert raised.value.status == 403
+            with pytest.raises(client.ApiException) as raised:
+                reader.list_namespaced_custom_object(*API, "default", crd.PLURAL)
+            assert raised.value.status == 403

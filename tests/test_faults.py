@@ -35,8 +35,9 @@ def assert_each_step_trained_once(run_dir: Path, prompts_per_step: int = 8) -> N
         assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))
 
 
-def kill_mid_run(proc, run_dir: Path, pid_of) -> int:
-    step = random.Random(os.getpid()).randint(2, STEPS - 3)
+def kill_mid_run(proc, run_dir: Path, pid_of, step: int | None = None) -> int:
+    """SIGKILL the process `pid_of()` returns once `step` (default: a random one) is trained."""
+    step = step or random.Random(os.getpid()).randint(2, STEPS - 3)
     wait_for_step(proc, run_dir, step)
     os.kill(pid_of(), signal.SIGKILL)
     return step
@@ -64,7 +65,9 @@ def test_killed_trainer_resumes_to_identical_weights(tmp_path, tiny_baseline):
 def test_killed_trainer_is_restarted_and_resumes_on_its_own(tmp_path, tiny_baseline):
     proc = start("run", str(write_spec(tmp_path, training=SHORT)))
     run_dir = tmp_path / "run"
-    kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.trainer")[0])
+    # Before the first checkpoint: the restarted trainer starts over and must forget the steps it redoes.
+    first_checkpoint = SHORT["checkpoint_every"]
+    kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.trainer")[0], step=first_checkpoint - 2)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "component trainer exited with code -9; restart 1 of 3" in stderr

@@ -57,6 +57,7 @@ _PASSTHROUGH = {
     "multipleOf",
     "required",
 }
+_MAX_DEPTH = 32  # deeper than any spec: only a recursive model gets there
 # Formats the API server knows; pydantic's others ("path", ...) would only be ignored there.
 _FORMATS = {"int32", "int64", "float", "double", "byte", "date", "date-time", "duration", "uri", "email", "uuid"}
 
@@ -88,30 +89,12 @@ def spec_schema(model: type[BaseModel] = RunSpec, exclude: frozenset[str] = EXCL
 
 
 def _structural(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
+    if path.count(".") > _MAX_DEPTH:
+        raise CRDSchemaError(f"{path}: a recursive model has no structural schema")
     node = _inline(node, defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in _PASSTHROUGH:
-            out[key] = value
-        elif key == "title":
-            continue  # pydantic's "Top P" titles add nothing to the descriptions
-        elif key == "format":
-            if value in _FORMATS:
-                out[key] = value
-        elif key == "const":
-            out["enum"] = [value]
-        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
-            # JSON Schema 2020-12 gives the bound; OpenAPI v3.0 (Kubernetes) wants minimum + a boolean.
-            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
-            out[key] = True
-        elif key == "properties":
-            out[key] = {name: _structural(sub, defs, f"{path}.{name}") for name, sub in value.items()}
-        elif key == "additionalProperties":
-            out.update(_additional_properties(value, defs, path))
-        elif key in ("items", "prefixItems"):
-            out["items"] = _items(value, defs, path)
-        elif key != "anyOf":
-            raise CRDSchemaError(f"{path}: {key!r} has no structural-schema equivalent")
+        out.update(_keyword(key, value, defs, path))
     if "anyOf" in node:
         out = {**_nullable(node["anyOf"], defs, path), **out}
     if out.get("default", 0) is None:
@@ -121,6 +104,28 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[s
     if "type" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
         raise CRDSchemaError(f"{path}: a structural schema needs a type")
     return {key: out[key] for key in sorted(out, key=_key_rank)}
+
+
+def _keyword(key: str, value: Any, defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """One JSON Schema keyword of pydantic's, as OpenAPI v3.0 in a structural schema says it."""
+    if key in _PASSTHROUGH:
+        return {key: value}
+    if key in ("title", "anyOf"):
+        return {}  # titles ("Top P") add nothing to the descriptions; anyOf is handled by the caller
+    if key == "format":
+        return {key: value} if value in _FORMATS else {}
+    if key == "const":
+        return {"enum": [value]}
+    if key in ("exclusiveMinimum", "exclusiveMaximum"):
+        # JSON Schema 2020-12 gives the bound; OpenAPI v3.0 (Kubernetes) wants minimum + a boolean.
+        return {"minimum" if key == "exclusiveMinimum" else "maximum": value, key: True}
+    if key == "properties":
+        return {key: {name: _structural(sub, defs, f"{path}.{name}") for name, sub in value.items()}}
+    if key == "additionalProperties":
+        return _additional_properties(value, defs, path)
+    if key in ("items", "prefixItems"):
+        return {"items": _items(value, defs, path)}
+    raise CRDSchemaError(f"{path}: {key!r} has no structural-schema equivalent")
 
 
 # The generated YAML reads like a hand-written CRD: type first, then what the field means, then its rules.

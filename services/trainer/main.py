@@ -209,15 +209,18 @@ class Trainer:
     # ---- run ---------------------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
         checkpoints = list_checkpoints(self.paths.checkpoints)
-        if not checkpoints:
-            return
-        state = load_checkpoint(checkpoints[-1], self.policy, self.update.optimizer, self.update.scheduler)
-        self.cursor = PromptCursor.from_state(self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor)
-        self.step = state.step
+        if checkpoints:
+            state = load_checkpoint(checkpoints[-1], self.policy, self.update.optimizer, self.update.scheduler)
+            self.cursor = PromptCursor.from_state(
+                self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
+            )
+            self.step = state.step
+            log.info("resumed from %s at step %d", checkpoints[-1], self.step)
+        # Steps after the checkpoint (all of them when a first life died before its first checkpoint) are
+        # redone, so their rows from the earlier life go.
         if self.ranks.is_main:
             _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
             _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
-        log.info("resumed from %s at step %d", checkpoints[-1], self.step)
 
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
