@@ -135,8 +135,6 @@ def read_metrics(jsonl_path: Path) -> list[dict[str, float]]:
     """The rows of a metrics.jsonl (the supervisor's progress bar, plots and tests read it)."""
     if not jsonl_path.exists():
         return []
-    rows = []
-    for line in jsonl_path.read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return rows
+    # A last line without its newline is still being written by the trainer: it is read next time.
+    complete = jsonl_path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]

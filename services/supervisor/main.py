@@ -277,7 +277,11 @@ class Progress:
         if size == self._size:
             return
         self._size = size
-        last = read_metrics(self.paths.metrics)[-1]
+        rows = read_metrics(self.paths.metrics)
+        if not rows:  # a restarted trainer dropped the rows of the steps it redoes
+            self.bar.reset()
+            return
+        last = rows[-1]
         self.bar.update(last["step"] - self.bar.n)
         self.bar.set_postfix(
             reward=f"{last['train_rollouts/rewards']:.3f}",

@@ -448,6 +448,7 @@ def _truncate_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop the rows of steps after the checkpoint: those steps are redone after a resume."""
     if path.exists():
         rows = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
+        # In place, not by rename: the metrics writer already holds the file open for appending.
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
