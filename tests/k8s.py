@@ -24,13 +24,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client, config
+
+from reinforce.core import crd
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "scripts" / "k8s-test-cluster.sh"
@@ -344,3 +347,49 @@ def kube_apiserver() -> Iterator[KubeCluster]:
         if _Shared.users == 0 and _Shared.plane is not None:
             _Shared.plane.stop()
             _Shared.plane = _Shared.cluster = None
+
+
+# ---- ReinforceRuns --------------------------------------------------------------------------------------------
+EXAMPLE = REPO / "examples" / "tiny.yaml"
+API = (crd.GROUP, crd.VERSION)
+
+
+def install_crd(api_client: client.ApiClient, body: dict[str, Any], timeout_s: float = 30) -> None:
+    extensions = client.ApiextensionsV1Api(api_client)
+    name = body["metadata"]["name"]
+    try:
+        extensions.create_custom_resource_definition(body)
+    except client.ApiException as err:
+        if err.status != 409:
+            raise
+        current = extensions.read_custom_resource_definition(name)
+        body = {**body, "metadata": {**body["metadata"], "resourceVersion": current.metadata.resource_version}}
+        extensions.replace_custom_resource_definition(name, body)
+    wait_for(lambda: _condition(extensions.read_custom_resource_definition(name), "Established"), timeout_s)
+
+
+def _condition(obj: Any, kind: str) -> bool:
+    return any(c.type == kind and c.status == "True" for c in (obj.status.conditions or []))
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(interval_s)
+    raise AssertionError(f"not true within {timeout_s} s: {check}")
+
+
+def example_run(name: str = "tiny", **changes: Any) -> dict[str, Any]:
+    """examples/tiny.yaml as a ReinforceRun; ``changes`` maps dotted spec paths to new values."""
+    spec = yaml.safe_load(EXAMPLE.read_text())
+    for excluded in crd.EXCLUDED_SPEC_FIELDS:
+        spec.pop(excluded, None)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = spec
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": name}, "spec": spec}

@@ -33,14 +33,12 @@ def write_spec(folder: Path, example: str = "tiny", **overrides: dict) -> Path:
 
 
 def reinforce(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reinforce.supervisor", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "reinforce", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def start(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "reinforce.supervisor", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "reinforce", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

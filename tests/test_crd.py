@@ -7,24 +7,21 @@ import json
 import re
 import secrets
 import ssl
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
-from k8s import KubeCluster, kube_apiserver  # noqa: F401
+from k8s import API, EXAMPLE, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
 from kubernetes import client
 from pydantic import BaseModel
 
 from reinforce.core import crd
+from reinforce.core.kube_spec import ReinforceRunSpec, parse_run_resource
 from reinforce.core.spec import RunSpec, load_spec
 
 COMMITTED = crd.DEFAULT_OUTPUT
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
-API = (crd.GROUP, crd.VERSION)
 
 
 def test_committed_crd_is_current() -> None:
@@ -54,7 +51,10 @@ def test_spec_schema_is_structural() -> None:
 
 def test_spec_schema_covers_the_model_but_not_name_and_run_dir() -> None:
     properties = crd.spec_schema()["properties"]
-    assert set(properties) == set(RunSpec.model_fields) - {"name", "run_dir"}
+    assert set(properties) == set(ReinforceRunSpec.model_fields) - {"name", "run_dir"}
+    assert {"suspend", "kubernetes"} < set(properties) and set(RunSpec.model_fields) < set(
+        ReinforceRunSpec.model_fields
+    )
     assert crd.spec_schema()["required"] == ["policy", "data"]
     # sections default to {} so that the API server fills in their fields' defaults
     assert properties["training"]["default"] == {}
@@ -114,33 +114,6 @@ def api(kube_apiserver: KubeCluster) -> Iterator[client.ApiClient]:  # noqa: F81
         yield api_client
 
 
-def install_crd(api_client: client.ApiClient, body: dict[str, Any], timeout_s: float = 30) -> None:
-    extensions = client.ApiextensionsV1Api(api_client)
-    name = body["metadata"]["name"]
-    try:
-        extensions.create_custom_resource_definition(body)
-    except client.ApiException as err:
-        if err.status != 409:
-            raise
-        current = extensions.read_custom_resource_definition(name)
-        body = {**body, "metadata": {**body["metadata"], "resourceVersion": current.metadata.resource_version}}
-        extensions.replace_custom_resource_definition(name, body)
-    wait_for(lambda: _condition(extensions.read_custom_resource_definition(name), "Established"), timeout_s)
-
-
-def _condition(obj: Any, kind: str) -> bool:
-    return any(c.type == kind and c.status == "True" for c in (obj.status.conditions or []))
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(interval_s)
-    raise AssertionError(f"not true within {timeout_s} s: {check}")
-
-
 @pytest.fixture
 def namespace(api: client.ApiClient) -> Iterator[str]:
     name = f"test-crd-{secrets.token_hex(3)}"
@@ -153,20 +126,6 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
 @pytest.fixture
 def runs(api: client.ApiClient) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api)
-
-
-def example_run(name: str = "tiny", **changes: Any) -> dict[str, Any]:
-    """examples/tiny.yaml as a ReinforceRun; ``changes`` maps dotted spec paths to new values."""
-    spec = yaml.safe_load(EXAMPLE.read_text())
-    for field in crd.EXCLUDED_SPEC_FIELDS:
-        spec.pop(field, None)
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = spec
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": name}, "spec": spec}
 
 
 @pytest.mark.slow
@@ -190,7 +149,9 @@ def test_example_is_accepted_and_defaulted_by_the_server(runs: client.CustomObje
     assert spec["policy"]["random_init"]["max_position_embeddings"] == 256
     assert spec["reward"]["kwargs"] == {"char": "a"}  # free-form, kept as written
     # What the server stored is the run the CLI would run: the server's defaults are the model's.
-    assert RunSpec.model_validate({**spec, "name": created["metadata"]["name"]}) == load_spec(EXAMPLE)
+    run = parse_run_resource(created["metadata"]["name"], spec)
+    assert run.model_dump(exclude={"suspend", "kubernetes"}) == load_spec(EXAMPLE).model_dump()
+    assert run.suspend is False and run.kubernetes.storage_size == "10Gi"
 
 
 @pytest.mark.slow

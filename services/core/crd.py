@@ -3,7 +3,8 @@
 `python -m reinforce.core.crd` writes ``charts/reinforce/crds/reinforceruns.yaml``; tests/test_crd.py fails
 when the committed file drifts from the model, and checks the CRD against a real API server.
 
-The CR's ``spec`` is ``RunSpec`` without ``name`` (the run's name is ``metadata.name``) and without
+The CR's ``spec`` is ``ReinforceRunSpec`` (core/kube_spec.py: ``RunSpec`` plus ``suspend`` and ``kubernetes``)
+without ``name`` (the run's name is ``metadata.name``) and without
 ``run_dir`` (a local folder; on Kubernetes the run's data lives on a PVC the operator owns). Kubernetes wants a
 *structural* OpenAPI v3 schema (every node typed, no ``$ref``, no type unions), so pydantic's JSON schema is
 rewritten: ``$defs`` are inlined, ``X | None`` becomes ``nullable: true``, ``exclusiveMinimum: 0`` becomes
@@ -25,7 +26,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import core_schema
 
-from reinforce.core.spec import RunSpec
+from reinforce.core.kube_spec import ReinforceRunSpec
 
 GROUP = "reinforce.dev"
 VERSION = "v1alpha1"
@@ -78,7 +79,9 @@ class _WithFactoryDefaults(GenerateJsonSchema):
         return {} if isinstance(value, BaseModel) else value
 
 
-def spec_schema(model: type[BaseModel] = RunSpec, exclude: frozenset[str] = EXCLUDED_SPEC_FIELDS) -> dict[str, Any]:
+def spec_schema(
+    model: type[BaseModel] = ReinforceRunSpec, exclude: frozenset[str] = EXCLUDED_SPEC_FIELDS
+) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of a ReinforceRun's ``spec``."""
     raw = model.model_json_schema(schema_generator=_WithFactoryDefaults)
     defs = raw.pop("$defs", {})

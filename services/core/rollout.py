@@ -1,4 +1,4 @@
-"""Weight rollout: one reconciler, used by the local supervisor (and by the operator on Kubernetes).
+"""Weight rollout: one reconciler, used by the local supervisor and by the operator on Kubernetes.
 
 Desired state: every generator has loaded the latest published weight version. Each pass reads the latest
 WeightVersion from the run's queue, asks every generator for its loaded version, and sends the new version to
@@ -54,6 +54,12 @@ class WeightReconciler:
         self.resync_s = resync_s
         self.states: list[GeneratorWeights] = []
         self._last_pass = -float("inf")
+
+    def retarget(self, generator_urls: dict[str, str]) -> None:
+        """The generators to keep in sync changed (pods came or went): ask them all on the next pass."""
+        if generator_urls != self.generator_urls:
+            self.generator_urls = dict(generator_urls)
+            self.states = []
 
     def reconcile_once(self) -> tuple[int | None, list[GeneratorWeights]]:
         """Returns the published version and each generator's loaded version as last seen."""

@@ -309,6 +309,16 @@ def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> RunPaths:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    """`reinforce run`: the exit code (0 done, 1 a component failed, 2 a bad spec or prompt file, 130 Ctrl-C)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return _run(args)
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.resume:
         spec_file = RunPaths(Path(args.resume)).spec
         spec = load_spec(spec_file)
@@ -354,19 +364,13 @@ def _print_summary(paths: RunPaths) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="reinforce", description="Kubernetes-native REINFORCE RLHF pipeline.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_run_command(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser("run", help="run a whole pipeline locally")
     run.add_argument("spec", nargs="?", help="run spec YAML (see examples/)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     run.add_argument("--overwrite", action="store_true", help="delete an earlier run in the same run folder")
-    args = parser.parse_args(argv)
-    if bool(args.spec) == bool(args.resume):
-        parser.error("run takes a SPEC file or --resume RUN_DIR")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    try:
-        sys.exit(run_command(args))
-    except (SpecError, RunFailed) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2 if isinstance(err, SpecError) else 1)
+    run.set_defaults(handler=run_command, check=_check_run_arguments)
+
+
+def _check_run_arguments(args: argparse.Namespace) -> str | None:
+    return "run takes a SPEC file or --resume RUN_DIR" if bool(args.spec) == bool(args.resume) else None

@@ -1,0 +1,3 @@
+from reinforce.cli import main
+
+main()

@@ -1,0 +1,27 @@
+"""`reinforce`: the command line. `reinforce run` runs a pipeline locally; `reinforce operator` runs the
+Kubernetes operator. Each command lives with its service; this only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from reinforce.core.spec import SpecError
+
+
+def main(argv: list[str] | None = None) -> None:
+    from reinforce.operator.main import add_operator_command
+    from reinforce.supervisor.main import add_run_command
+
+    parser = argparse.ArgumentParser(prog="reinforce", description="Kubernetes-native REINFORCE RLHF pipeline.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_run_command(commands)
+    add_operator_command(commands)
+    args = parser.parse_args(argv)
+    if (check := getattr(args, "check", None)) and (problem := check(args)):
+        parser.error(problem)
+    try:
+        sys.exit(args.handler(args))
+    except SpecError as err:  # a bad spec, prompt file or configuration: nothing was started
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,3 +1,0 @@
-from reinforce.supervisor.main import main
-
-main()

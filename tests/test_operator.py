@@ -1,0 +1,401 @@
+"""The operator (kopf, in-process through KopfRunner) against a real API server, with the least RBAC it needs.
+
+There is no kubelet: a test plays it by patching pods' status (Ready, an address). For the weight rollout a
+real generator control plane listens on 127.0.0.1, the address its pod reports.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import uvicorn
+import yaml
+from k8s import API, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
+from kopf.testing import KopfRunner
+from kubernetes import client
+
+from reinforce.core import crd
+from reinforce.core.kube_children import OperatorConfig
+from reinforce.core.kube_rbac import OPERATOR_NAME, OPERATOR_RULES, operator_rbac
+from reinforce.core.kube_spec import ReinforceRunSpec
+from reinforce.core.models import materialize_policy
+from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import RunSpec
+from reinforce.core.weights import publish
+from reinforce.generator.main import Generator, control_plane
+from reinforce.operator.main import (
+    MUTABLE_FIELDS,
+    PodState,
+    immutable_changes,
+    phase_of,
+)
+
+pytestmark = pytest.mark.slow
+OPERATOR_NAMESPACE = "reinforce-system"
+KINDS = {  # what each run owns (with its own Redis)
+    ("ConfigMap", "spec"),
+    ("Secret", "secrets"),
+    ("PersistentVolumeClaim", "data"),
+    ("Service", "redis"),
+    ("StatefulSet", "redis"),
+    ("Service", "reward"),
+    ("Deployment", "reward"),
+    ("Deployment", "generator"),
+    ("Service", "trainer"),
+    ("StatefulSet", "trainer"),
+}
+
+
+# ---- the decisions, without a cluster ---------------------------------------------------------------------
+def test_only_mutable_fields_may_change() -> None:
+    accepted = {"training": {"lr": 0.1, "steps": 5}, "generation": {"num_generators": 1, "top_p": 1.0}}
+    wanted = {"training": {"lr": 0.2, "steps": 5}, "generation": {"num_generators": 3, "top_p": 0.9}}
+    assert immutable_changes(accepted, wanted) == ["spec.generation.top_p", "spec.training.lr"]
+    assert immutable_changes(accepted, accepted) == []
+    assert "generation.num_generators" in MUTABLE_FIELDS
+
+
+def _pods(**ready: tuple[int, int]) -> list[PodState]:
+    """component=(pods, ready pods)"""
+    pods = []
+    for component, (count, n_ready) in ready.items():
+        pods += [PodState(f"{component}-{i}", component, i < n_ready, 0, "10.0.0.1") for i in range(count)]
+    return pods
+
+
+def test_phase_follows_what_is_observed() -> None:
+    spec = ReinforceRunSpec.model_validate({**example_run()["spec"], "name": "tiny"})
+    everything = _pods(redis=(1, 1), reward=(1, 1), generator=(2, 1), trainer=(1, 1))
+    assert phase_of(spec, everything, 3, False)[0] == "Running"
+    pending = phase_of(spec, _pods(redis=(1, 1), reward=(1, 0), generator=(1, 1), trainer=(1, 1)), None, False)
+    assert pending[:2] == ("Pending", "ComponentsNotReady") and "reward" in pending[2]
+    assert phase_of(spec, everything, spec.training.steps, False)[0] == "Succeeded"
+    assert phase_of(spec, [], None, True)[0] == "Succeeded"  # a finished run stays finished
+    suspended = spec.model_copy(update={"suspend": True})
+    assert phase_of(suspended, [], 3, False)[0] == "Suspended"
+    crashing = [*everything[:-1], PodState("trainer-0", "trainer", False, 4, None)]
+    failed = phase_of(spec, crashing, 3, False)
+    assert failed[:2] == ("Failed", "CrashLooping") and "trainer-0 (4 restarts)" in failed[2]
+
+
+# ---- against the API server -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def admin(kube_apiserver: KubeCluster) -> Iterator[client.ApiClient]:  # noqa: F811
+    with kube_apiserver.api_client() as api:
+        install_crd(api, yaml.safe_load(crd.DEFAULT_OUTPUT.read_text()))
+        yield api
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(kube_apiserver: KubeCluster, admin: client.ApiClient) -> Path:  # noqa: F811
+    """A kubeconfig with a token of the operator's ServiceAccount, bound to exactly OPERATOR_RULES."""
+    core, rbac = client.CoreV1Api(admin), client.RbacAuthorizationV1Api(admin)
+    with contextlib.suppress(client.ApiException):
+        core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
+    account, role, binding = operator_rbac(OPERATOR_NAMESPACE)
+    for create, body in (
+        (lambda b: core.create_namespaced_service_account(OPERATOR_NAMESPACE, b), account),
+        (rbac.create_cluster_role, role),
+        (rbac.create_cluster_role_binding, binding),
+    ):
+        with contextlib.suppress(client.ApiException):  # 409: an earlier module of the session made it
+            create(body)
+    return kube_apiserver.kubeconfig_for_service_account(OPERATOR_NAMESPACE, OPERATOR_NAME)
+
+
+@pytest.fixture
+def operator_env(monkeypatch: pytest.MonkeyPatch, operator_kubeconfig: Path, tmp_path: Path) -> OperatorConfig:
+    """The environment `reinforce operator` reads; the generator port is where a test's generator listens."""
+    config = OperatorConfig.model_validate({"ports": {"generator": free_port()}})
+    config_file = tmp_path / "operator.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    monkeypatch.setenv("KUBECONFIG", str(operator_kubeconfig))
+    monkeypatch.setenv("REINFORCE_OPERATOR_CONFIG", str(config_file))
+    return config
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def operator(namespace: str) -> Iterator[KopfRunner]:
+    """`reinforce operator` in-process, watching the test's namespace (others hold earlier tests' runs)."""
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "reinforce.operator.main"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exit_code == 0, runner.output
+    assert runner.exception is None, runner.output
+    assert "forbidden" not in runner.output.lower(), runner.output  # the RBAC of OPERATOR_RULES sufficed
+
+
+@pytest.fixture
+def namespace(admin: client.ApiClient) -> Iterator[str]:
+    name = f"test-op-{secrets.token_hex(3)}"
+    client.CoreV1Api(admin).create_namespace({"metadata": {"name": name}})
+    yield name
+    client.CoreV1Api(admin).delete_namespace(name)
+
+
+class Cluster:
+    """The admin's view of one namespace: the run, its children and its pods."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.namespace = namespace
+        self.core, self.apps, self.custom = client.CoreV1Api(api), client.AppsV1Api(api), client.CustomObjectsApi(api)
+
+    def create_run(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(*API, self.namespace, crd.PLURAL, body)
+
+    def patch_run(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(*API, self.namespace, crd.PLURAL, name, {"spec": spec})
+
+    def run(self, name: str = "tiny") -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(*API, self.namespace, crd.PLURAL, name)
+
+    def status(self, name: str = "tiny") -> dict[str, Any]:
+        return self.run(name).get("status") or {}
+
+    def condition(self, kind: str, name: str = "tiny") -> dict[str, Any]:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == kind), {})
+
+    def children(self) -> dict[tuple[str, str], Any]:
+        ns = self.namespace
+        found = {}
+        for kind, objects in (
+            ("ConfigMap", self.core.list_namespaced_config_map(ns).items),
+            ("Secret", self.core.list_namespaced_secret(ns).items),
+            ("PersistentVolumeClaim", self.core.list_namespaced_persistent_volume_claim(ns).items),
+            ("Service", self.core.list_namespaced_service(ns).items),
+            ("StatefulSet", self.apps.list_namespaced_stateful_set(ns).items),
+            ("Deployment", self.apps.list_namespaced_deployment(ns).items),
+        ):
+            for obj in objects:
+                if obj.metadata.owner_references:  # not the ServiceAccount token, not a StatefulSet's claims
+                    found[(kind, obj.metadata.name)] = obj
+        return found
+
+    def replicas(self, run: str = "tiny") -> dict[str, int]:
+        ns = self.namespace
+        workloads = [*self.apps.list_namespaced_deployment(ns).items, *self.apps.list_namespaced_stateful_set(ns).items]
+        return {w.metadata.name.removeprefix(f"{run}-"): w.spec.replicas for w in workloads}
+
+    def pods(self, component: str) -> list[Any]:
+        selector = f"app.kubernetes.io/component={component}"
+        return self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+
+    def make_ready(self, component: str, count: int = 1) -> list[str]:
+        """Play kubelet: wait for `count` pods of the component and report them Running and Ready."""
+        pods = wait_for(lambda: (p := self.pods(component)) and len(p) >= count and p, 30)
+        status = {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}],
+        }
+        for pod in pods[:count]:
+            self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, {"status": status})
+        return [p.metadata.name for p in pods[:count]]
+
+
+@pytest.fixture
+def cluster(admin: client.ApiClient, namespace: str) -> Cluster:
+    return Cluster(admin, namespace)
+
+
+def test_a_run_gets_every_child_owned_by_it(operator_env: OperatorConfig, cluster: Cluster) -> None:
+    with operator(cluster.namespace):
+        run = cluster.create_run(example_run(**{"generation.num_generators": 2, "kubernetes.trainer.gpus": 1}))
+        children = wait_for(lambda: len(c := cluster.children()) == len(KINDS) and c, 30)
+        wait_for(lambda: cluster.status().get("phase") == "Pending", 15)
+    assert {(kind, name.removeprefix("tiny-")) for kind, name in children} == KINDS
+    for obj in children.values():
+        (owner,) = obj.metadata.owner_references
+        assert (owner.kind, owner.name, owner.uid, owner.controller) == (crd.KIND, "tiny", run["metadata"]["uid"], True)
+        assert obj.metadata.labels["app.kubernetes.io/instance"] == "tiny"
+
+    assert cluster.replicas() == {"reward": 1, "generator": 2, "redis": 1, "trainer": 1}
+    # the services read the run's spec from the ConfigMap: the CR's spec, with the run folder on the volume
+    services_spec = RunSpec.model_validate(yaml.safe_load(children[("ConfigMap", "tiny-spec")].data["spec.yaml"]))
+    assert services_spec.run_dir == "/data/run" and services_spec.weights.transport == "http"
+    assert services_spec.training.lr == 3e-3 and services_spec.name == "tiny"
+
+    trainer = children[("StatefulSet", "tiny-trainer")].spec.template.spec.containers[0]
+    assert trainer.resources.limits == {"nvidia.com/gpu": "1"}
+    assert trainer.command[:3] == ["python", "-m", "reinforce.trainer"]
+    assert "--advertise-host" in trainer.command
+    env = {e.name: e.value_from.secret_key_ref for e in trainer.env if e.value_from and e.value_from.secret_key_ref}
+    assert env["REINFORCE_REDIS_URL"].name == "tiny-secrets" and env["REINFORCE_REDIS_URL"].key == "url"
+    generator = children[("Deployment", "tiny-generator")].spec.template.spec.containers[0]
+    assert "http://tiny-reward:8000" in generator.command and "$(POD_NAME)" in generator.command
+    assert children[("Service", "tiny-trainer")].spec.cluster_ip == "None"
+    assert cluster.condition("SpecAccepted")["status"] == "True"
+
+
+def test_a_spec_the_schema_accepts_but_the_model_refuses_fails_naming_the_field(
+    operator_env: OperatorConfig, cluster: Cluster
+) -> None:
+    body = example_run(**{"policy.path": "/models/x"})  # besides random_init: exactly one is allowed
+    with operator(cluster.namespace):
+        cluster.create_run(body)
+        wait_for(lambda: cluster.status().get("phase") == "Failed", 15)
+    refused = cluster.condition("SpecAccepted")
+    assert refused["status"] == "False" and refused["reason"] == "InvalidSpec"
+    assert "spec.policy: Value error, set exactly one of path and random_init" in refused["message"]
+    assert cluster.children() == {}, "nothing is created for an invalid run"
+
+
+def _pods_ready_for_a_running_run(cluster: Cluster) -> None:
+    for component in ("redis", "reward", "trainer", "generator"):
+        cluster.make_ready(component)
+
+
+def test_status_moves_from_pending_to_running_and_scaling_and_suspend_follow_the_spec(
+    operator_env: OperatorConfig, cluster: Cluster
+) -> None:
+    with operator(cluster.namespace):
+        cluster.create_run(example_run())
+        wait_for(lambda: cluster.status().get("phase") == "Pending", 30)
+        assert cluster.status()["generatorsReady"] == "0/1"
+        _pods_ready_for_a_running_run(cluster)
+        wait_for(lambda: cluster.status().get("phase") == "Running", 20)
+        status = cluster.status()
+        assert status["generatorsReady"] == "1/1" and cluster.condition("Ready")["status"] == "True"
+        assert status["observedGeneration"] == cluster.run()["metadata"]["generation"]
+
+        cluster.patch_run("tiny", {"generation": {"num_generators": 3}})
+        wait_for(lambda: cluster.replicas()["generator"] == 3, 15)
+        wait_for(lambda: cluster.status().get("generatorsReady") == "1/3", 15)
+
+        cluster.patch_run("tiny", {"suspend": True})
+        wait_for(lambda: set(cluster.replicas().values()) == {0}, 15)
+        wait_for(lambda: cluster.status().get("phase") == "Suspended", 15)
+
+        cluster.patch_run("tiny", {"suspend": False})
+        wait_for(lambda: cluster.replicas() == {"reward": 1, "generator": 3, "redis": 1, "trainer": 1}, 15)
+
+
+def test_a_change_to_an_immutable_field_is_refused_naming_it(operator_env: OperatorConfig, cluster: Cluster) -> None:
+    with operator(cluster.namespace):
+        cluster.create_run(example_run())
+        config_map = wait_for(lambda: cluster.children().get(("ConfigMap", "tiny-spec")), 30)
+        cluster.patch_run("tiny", {"training": {"lr": 0.5}, "generation": {"num_generators": 2}})
+        wait_for(lambda: cluster.condition("SpecAccepted").get("status") == "False", 15)
+        refused = cluster.condition("SpecAccepted")
+        assert refused["reason"] == "ImmutableFieldChanged"
+        assert refused["message"].startswith("spec.training.lr: cannot change once the run started")
+        # nothing of the refused change was applied, not even its allowed part
+        assert cluster.children()[("ConfigMap", "tiny-spec")].data == config_map.data
+        assert cluster.replicas()["generator"] == 1
+
+        cluster.patch_run("tiny", {"training": {"lr": 3e-3}})  # reverted: the rest of the change goes through
+        wait_for(lambda: cluster.condition("SpecAccepted").get("status") == "True", 15)
+        wait_for(lambda: cluster.replicas()["generator"] == 2, 15)
+
+
+def test_operator_restart_mid_reconcile_duplicates_nothing(operator_env: OperatorConfig, cluster: Cluster) -> None:
+    with operator(cluster.namespace):
+        cluster.create_run(example_run())
+        wait_for(lambda: cluster.children(), 30)  # stopped as soon as the first child exists
+    first = cluster.children()
+    token = first[("Secret", "tiny-secrets")].data["control-token"]
+    with operator(cluster.namespace):
+        wait_for(lambda: len(cluster.children()) == len(KINDS), 30)
+        wait_for(lambda: cluster.status().get("phase") == "Pending", 15)
+    after = cluster.children()
+    assert len(after) == len(KINDS) and len(cluster.pods("trainer")) == 1
+    assert after[("Secret", "tiny-secrets")].data["control-token"] == token, "the secret was regenerated"
+    for key, obj in first.items():
+        assert after[key].metadata.uid == obj.metadata.uid, f"{key} was replaced"
+
+
+@pytest.fixture
+def generator_listening(operator_env: OperatorConfig, tmp_path: Path, redis_url: str) -> Iterator[Any]:
+    """A real generator of run `tiny`, and `serve(token)`, which opens its control plane where the operator
+    looks for a generator pod reporting 127.0.0.1."""
+    spec = RunSpec.model_validate(
+        {
+            "name": "tiny",
+            "run_dir": str(tmp_path / "run"),
+            "policy": {"random_init": {"hidden_size": 16, "intermediate_size": 16, "num_layers": 1}},
+            "data": {"prompts": str(tmp_path / "unused.txt"), "chat_template": False},
+        }
+    )
+    materialize_policy(spec.policy, RunPaths(spec.resolved_run_dir()).initial_policy, spec.seed)
+    torch.set_num_threads(1)
+    generator = Generator(spec, redis_url, "http://127.0.0.1:9", "generator-under-test")
+    servers: list[uvicorn.Server] = []
+
+    def serve(token: str) -> None:
+        app = control_plane(generator, token)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=operator_env.ports.generator))
+        threading.Thread(target=server.run, daemon=True).start()
+        servers.append(server)
+        threading.Thread(target=load_between_batches, daemon=True).start()
+
+    def load_between_batches() -> None:  # the part of the work loop that loads weights (no prompts here)
+        while not generator.stopping.wait(0.05):
+            generator.apply_desired_weights()
+
+    yield generator, spec, serve
+    generator.stopping.set()
+    for server in servers:
+        server.should_exit = True
+    generator.reward.close()
+    generator.queue.client.close()
+
+
+def test_weights_are_rolled_out_to_ready_generators_and_external_redis_keys_go_with_the_run(
+    operator_env: OperatorConfig, cluster: Cluster, generator_listening: Any, redis_url: str
+) -> None:
+    generator, spec, serve = generator_listening
+    cluster.core.create_namespaced_secret(
+        cluster.namespace, {"metadata": {"name": "shared-redis"}, "stringData": {"url": redis_url}}
+    )
+    queue = RolloutQueue(connect(redis_url), "tiny")
+    with operator(cluster.namespace):
+        cluster.create_run(example_run(**{"kubernetes.external_redis_secret": "shared-redis"}))
+        secret = wait_for(lambda: cluster.children().get(("Secret", "tiny-secrets")), 30)
+        assert "redis-password" not in secret.data and ("StatefulSet", "tiny-redis") not in cluster.children()
+        serve(base64.b64decode(secret.data["control-token"]).decode())
+        (pod,) = cluster.make_ready("generator")
+        queue.publish_weights(publish(generator.model, RunPaths(spec.resolved_run_dir()).weights, version=1))
+        wait_for(lambda: cluster.status().get("publishedWeightVersion") == 1, 20)
+        wait_for(lambda: generator_versions(cluster) == {pod: 1}, 30)
+        assert cluster.condition("WeightsInSync")["status"] == "True"
+        assert generator.weights.loaded == 1
+        assert queue.client.exists(queue.weights_key)
+        cluster.custom.delete_namespaced_custom_object(*API, cluster.namespace, crd.PLURAL, "tiny")
+        wait_for(
+            lambda: not cluster.custom.list_namespaced_custom_object(*API, cluster.namespace, crd.PLURAL)["items"], 30
+        )
+    assert not list(queue.client.scan_iter(match="reinforce:tiny:*")), "the finalizer left the run's Redis keys"
+
+
+def generator_versions(cluster: Cluster) -> dict[str, int | None]:
+    return {g["name"]: g.get("loadedVersion") for g in cluster.status().get("generators", [])}
+
+
+def test_the_operator_role_is_least_privilege(kube_apiserver: KubeCluster, operator_kubeconfig: Path) -> None:  # noqa: F811
+    verbs = {verb for rule in OPERATOR_RULES for verb in rule["verbs"]}
+    assert not verbs & {"delete", "deletecollection", "update", "*", "escalate", "bind", "impersonate"}
+    assert all("*" not in rule["resources"] and "*" not in rule["apiGroups"] for rule in OPERATOR_RULES)
+    with kube_apiserver.api_client(operator_kubeconfig) as api:
+        with pytest.raises(client.ApiException) as raised:
+            client.CoreV1Api(api).list_node()
+        assert raised.value.status == 403
+        with pytest.raises(client.ApiException) as raised:
+            client.CoreV1Api(api).list_secret_for_all_namespaces()
+        assert raised.value.status == 403
