@@ -4,8 +4,10 @@ import re
 import sys
 from pathlib import Path
 
+from reinforce.core.kube_children import OperatorConfig
+from reinforce.core.kube_spec import ReinforceRunSpec
 from reinforce.core.metrics import STEP_METRICS, prometheus_name
-from reinforce.core.spec import reference_markdown
+from reinforce.core.spec import RunSpec, reference_markdown
 
 README = Path(__file__).parent.parent / "README.md"
 
@@ -16,7 +18,17 @@ def metrics_markdown() -> str:
     return "\n".join(rows)
 
 
-GENERATED = {"spec-reference": reference_markdown, "metrics": metrics_markdown}
+def kubernetes_reference_markdown() -> str:
+    """The fields a ReinforceRun has beyond a run spec."""
+    return reference_markdown(ReinforceRunSpec, skip=tuple(RunSpec.model_fields))
+
+
+GENERATED = {
+    "spec-reference": reference_markdown,
+    "kubernetes-reference": kubernetes_reference_markdown,
+    "operator-config": lambda: reference_markdown(OperatorConfig),
+    "metrics": metrics_markdown,
+}
 
 
 def render(text: str) -> str:

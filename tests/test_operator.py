@@ -21,13 +21,17 @@ import yaml
 from k8s import API, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
 from kopf.testing import KopfRunner
 from kubernetes import client
+from kubernetes.utils import create_from_dict
+from prometheus_client import start_http_server
 
-from reinforce.core import crd
+from reinforce.core import crd, operator_deploy
 from reinforce.core.kube_children import OperatorConfig
-from reinforce.core.kube_rbac import OPERATOR_NAME, OPERATOR_RULES, operator_rbac
 from reinforce.core.kube_spec import ReinforceRunSpec
+from reinforce.core.metrics import TrainerMetrics
 from reinforce.core.models import materialize_policy
+from reinforce.core.operator_deploy import OPERATOR_NAME, OPERATOR_NAMESPACE, OPERATOR_RULES
 from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.records_pb2 import WeightVersion
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.core.weights import publish
@@ -40,7 +44,6 @@ from reinforce.operator.main import (
 )
 
 pytestmark = pytest.mark.slow
-OPERATOR_NAMESPACE = "reinforce-system"
 KINDS = {  # what each run owns (with its own Redis)
     ("ConfigMap", "spec"),
     ("Secret", "secrets"),
@@ -97,25 +100,27 @@ def admin(kube_apiserver: KubeCluster) -> Iterator[client.ApiClient]:  # noqa: F
 
 @pytest.fixture(scope="module")
 def operator_kubeconfig(kube_apiserver: KubeCluster, admin: client.ApiClient) -> Path:  # noqa: F811
-    """A kubeconfig with a token of the operator's ServiceAccount, bound to exactly OPERATOR_RULES."""
-    core, rbac = client.CoreV1Api(admin), client.RbacAuthorizationV1Api(admin)
-    with contextlib.suppress(client.ApiException):
-        core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
-    account, role, binding = operator_rbac(OPERATOR_NAMESPACE)
-    for create, body in (
-        (lambda b: core.create_namespaced_service_account(OPERATOR_NAMESPACE, b), account),
-        (rbac.create_cluster_role, role),
-        (rbac.create_cluster_role_binding, binding),
-    ):
+    """`kubectl apply -f operator/` (the committed file), then a kubeconfig with a token of the operator's
+    ServiceAccount, bound to exactly OPERATOR_RULES. The Deployment is stored but never runs (no kubelet)."""
+    for manifest in yaml.safe_load_all(operator_deploy.DEFAULT_OUTPUT.read_text()):
         with contextlib.suppress(client.ApiException):  # 409: an earlier module of the session made it
-            create(body)
+            create_from_dict(admin, manifest)
+    deployment = client.AppsV1Api(admin).read_namespaced_deployment(OPERATOR_NAME, OPERATOR_NAMESPACE)
+    assert deployment.spec.template.spec.service_account_name == OPERATOR_NAME
     return kube_apiserver.kubeconfig_for_service_account(OPERATOR_NAMESPACE, OPERATOR_NAME)
+
+
+def test_committed_operator_manifests_are_current() -> None:
+    assert operator_deploy.DEFAULT_OUTPUT.read_text() == operator_deploy.manifests_yaml(), (
+        "operator/operator.yaml is stale: run `python -m reinforce.core.operator_deploy`"
+    )
 
 
 @pytest.fixture
 def operator_env(monkeypatch: pytest.MonkeyPatch, operator_kubeconfig: Path, tmp_path: Path) -> OperatorConfig:
-    """The environment `reinforce operator` reads; the generator port is where a test's generator listens."""
-    config = OperatorConfig.model_validate({"ports": {"generator": free_port()}})
+    """The environment `reinforce operator` reads. Pods report 127.0.0.1, so the ports are free ones where a
+    test's own generator or trainer metrics listen."""
+    config = OperatorConfig.model_validate({"ports": {"generator": free_port(), "trainer_metrics": free_port()}})
     config_file = tmp_path / "operator.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     monkeypatch.setenv("KUBECONFIG", str(operator_kubeconfig))
@@ -269,10 +274,18 @@ def test_status_moves_from_pending_to_running_and_scaling_and_suspend_follow_the
         cluster.create_run(example_run())
         wait_for(lambda: cluster.status().get("phase") == "Pending", 30)
         assert cluster.status()["generatorsReady"] == "0/1"
-        _pods_ready_for_a_running_run(cluster)
-        wait_for(lambda: cluster.status().get("phase") == "Running", 20)
+        trainer = TrainerMetrics(None)  # the trainer's Prometheus endpoint, where trainer pod 0 reports
+        trainer.record(4, {"train_rollouts/rewards": 0.25, "train_rollouts/init_policy_kl": 0.125})
+        server, _ = start_http_server(operator_env.ports.trainer_metrics, "127.0.0.1", trainer.registry)
+        try:
+            _pods_ready_for_a_running_run(cluster)
+            wait_for(lambda: cluster.status().get("phase") == "Running", 20)
+            wait_for(lambda: cluster.status().get("reward") == 0.25, 10)
+        finally:
+            server.shutdown()
         status = cluster.status()
         assert status["generatorsReady"] == "1/1" and cluster.condition("Ready")["status"] == "True"
+        assert (status["step"], status["kl"]) == (4, 0.125)
         assert status["observedGeneration"] == cluster.run()["metadata"]["generation"]
 
         cluster.patch_run("tiny", {"generation": {"num_generators": 3}})
@@ -377,11 +390,32 @@ def test_weights_are_rolled_out_to_ready_generators_and_external_redis_keys_go_w
         assert cluster.condition("WeightsInSync")["status"] == "True"
         assert generator.weights.loaded == 1
         assert queue.client.exists(queue.weights_key)
+        owned = set(cluster.children())
         cluster.custom.delete_namespaced_custom_object(*API, cluster.namespace, crd.PLURAL, "tiny")
         wait_for(
             lambda: not cluster.custom.list_namespaced_custom_object(*API, cluster.namespace, crd.PLURAL)["items"], 30
         )
     assert not list(queue.client.scan_iter(match="reinforce:tiny:*")), "the finalizer left the run's Redis keys"
+    # and the garbage collector follows the ownerReferences (its first pass over a new kind can take ~40 s)
+    wait_for(lambda: not owned & set(cluster.children()), 120, interval_s=1)
+
+
+def test_a_finished_run_succeeds_and_scales_to_zero(
+    operator_env: OperatorConfig, cluster: Cluster, redis_url: str
+) -> None:
+    cluster.core.create_namespaced_secret(
+        cluster.namespace, {"metadata": {"name": "shared-redis"}, "stringData": {"url": redis_url}}
+    )
+    body = example_run(**{"kubernetes.external_redis_secret": "shared-redis", "training.steps": 3})
+    with operator(cluster.namespace):
+        cluster.create_run(body)
+        wait_for(lambda: cluster.replicas().get("trainer") == 1, 30)
+        # the trainer publishes version v after step v: version 3 is the end of a 3-step run
+        RolloutQueue(connect(redis_url), "tiny").publish_weights(WeightVersion(version=3))
+        wait_for(lambda: cluster.status().get("phase") == "Succeeded", 20)
+        wait_for(lambda: set(cluster.replicas().values()) == {0}, 20)
+    assert cluster.condition("Ready")["reason"] == "Finished"
+    assert ("PersistentVolumeClaim", "tiny-data") in cluster.children(), "the final model's volume is kept"
 
 
 def generator_versions(cluster: Cluster) -> dict[str, int | None]:

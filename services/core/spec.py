@@ -266,15 +266,17 @@ def dump_spec(spec: RunSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
 
 
-def reference_markdown() -> str:
-    """The spec reference table of the README, generated from the model (tests check the README is current)."""
+def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] = ()) -> str:
+    """A spec reference table of the README, generated from the model (tests check the README is current)."""
     rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-    _reference_rows(RunSpec, "", rows)
+    _reference_rows(model, "", rows, skip)
     return "\n".join(rows)
 
 
-def _reference_rows(model: type[BaseModel], prefix: str, rows: list[str]) -> None:
+def _reference_rows(model: type[BaseModel], prefix: str, rows: list[str], skip: tuple[str, ...] = ()) -> None:
     for name, field in model.model_fields.items():
+        if name in skip:
+            continue
         path = prefix + name
         annotation = field.annotation
         sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
