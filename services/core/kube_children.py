@@ -21,10 +21,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from reinforce.core.crd import GROUP, KIND, VERSION
-from reinforce.core.kube_spec import PodSpec, ReinforceRunSpec
+from reinforce.core.kube_spec import COMPONENTS, PodSpec, ReinforceRunSpec
 from reinforce.core.queue import REDIS_URL_ENV
 from reinforce.core.rollout import CONTROL_TOKEN_ENV
 from reinforce.core.spec import _Section, dump_spec
@@ -41,13 +41,13 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 class Ports(_Section):
     """The ports the services listen on inside their pods."""
 
-    redis: int = Field(6379, ge=1, le=65535)
-    reward_http: int = Field(8000, ge=1, le=65535)
-    reward_grpc: int = Field(8001, ge=1, le=65535)
-    reward_metrics: int = Field(8002, ge=1, le=65535)
+    redis: int = Field(6379, ge=1, le=65535, description="Redis.")
+    reward_http: int = Field(8000, ge=1, le=65535, description="Triton HTTP (inference, readiness).")
+    reward_grpc: int = Field(8001, ge=1, le=65535, description="Triton gRPC.")
+    reward_metrics: int = Field(8002, ge=1, le=65535, description="Triton's Prometheus metrics.")
     generator: int = Field(8080, ge=1, le=65535, description="Control plane: health, metrics, weight loading.")
-    trainer_metrics: int = Field(9000, ge=1, le=65535)
-    trainer_weights: int = Field(9001, ge=1, le=65535)
+    trainer_metrics: int = Field(9000, ge=1, le=65535, description="Trainer's Prometheus metrics (and status).")
+    trainer_weights: int = Field(9001, ge=1, le=65535, description="Trainer's weight endpoint (rank 0).")
     rendezvous: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous on trainer pod 0.")
 
 
@@ -58,9 +58,18 @@ class OperatorConfig(_Section):
     redis_image: str = Field("redis:7.0", description="Image of the run's Redis.")
     image_pull_policy: str = Field("IfNotPresent", description="Pull policy of every container.")
     pods: dict[str, PodSpec] = Field(
-        default_factory=dict, description="Per component (redis, reward, generator, trainer): default pod settings."
+        default_factory=dict,
+        description="Default pod settings per component (redis, reward, generator, trainer); a run's own win.",
     )
     ports: Ports = Field(default_factory=Ports)
+
+    @field_validator("pods")
+    @classmethod
+    def _known_components(cls, pods: dict[str, PodSpec]) -> dict[str, PodSpec]:
+        unknown = set(pods) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"unknown components {sorted(unknown)}: expected some of {list(COMPONENTS)}")
+        return pods
 
 
 @dataclass(frozen=True)

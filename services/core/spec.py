@@ -273,7 +273,10 @@ def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] =
     return "\n".join(rows)
 
 
-def _reference_rows(model: type[BaseModel], prefix: str, rows: list[str], skip: tuple[str, ...] = ()) -> None:
+def _reference_rows(
+    model: type[BaseModel], prefix: str, rows: list[str], skip: tuple[str, ...] = (), seen: dict | None = None
+) -> None:
+    seen = {} if seen is None else seen  # section class -> where its fields are listed (each only once)
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -281,12 +284,21 @@ def _reference_rows(model: type[BaseModel], prefix: str, rows: list[str], skip: 
         annotation = field.annotation
         sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
         default = "required" if field.is_required() else _default_text(field)
-        if sections:
-            rows.append(f"| `{path}` | section | {default} | {sections[0].__doc__.strip().splitlines()[0]} |")
-            _reference_rows(sections[0], path + ".", rows)
-        else:
+        if not sections:
             meaning = (field.description or "").replace("|", "\\|")
             rows.append(f"| `{path}` | {_type_text(annotation)} | {default} | {meaning} |")
+            continue
+        section = sections[0]
+        # a list or dict of sections lists one element's fields under [] or <key>
+        kind = {list: "list of sections", dict: "map of sections"}.get(getattr(annotation, "__origin__", None))
+        element = path + {"list of sections": "[]", "map of sections": ".<name>"}.get(kind or "", "")
+        meaning = field.description or section.__doc__.strip().splitlines()[0]
+        if section in seen:
+            meaning += f" Fields as `{seen[section]}`."
+        rows.append(f"| `{path}` | {kind or 'section'} | {default} | {meaning} |")
+        if section not in seen:
+            seen[section] = element
+            _reference_rows(section, element + ".", rows, seen=seen)
 
 
 def _is_section(annotation: Any) -> bool:
