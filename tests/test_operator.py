@@ -25,7 +25,7 @@ from kubernetes.utils import create_from_dict
 from prometheus_client import start_http_server
 
 from reinforce.core import crd, operator_deploy
-from reinforce.core.kube_children import OperatorConfig
+from reinforce.core.kube_children import OperatorConfig, Run, children, trainer_stateful_set
 from reinforce.core.kube_spec import ReinforceRunSpec
 from reinforce.core.metrics import TrainerMetrics
 from reinforce.core.models import materialize_policy
@@ -88,6 +88,38 @@ def test_phase_follows_what_is_observed() -> None:
     crashing = [*everything[:-1], PodState("trainer-0", "trainer", False, 4, None)]
     failed = phase_of(spec, crashing, 3, False)
     assert failed[:2] == ("Failed", "CrashLooping") and "trainer-0 (4 restarts)" in failed[2]
+
+
+def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
+    config = OperatorConfig.model_validate(
+        {"image": "img:1", "pods": {"trainer": {"requests": {"cpu": "4"}, "node_selector": {"pool": "cpu"}}}}
+    )
+    spec = ReinforceRunSpec.model_validate(
+        {
+            **example_run()["spec"],
+            "name": "tiny",
+            "kubernetes": {
+                "trainer": {"gpus": 2, "node_selector": {"pool": "gpu"}},
+                "generator": {"image": "gen:2", "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+            },
+        }
+    )
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in children(Run("tiny", "ns", "uid-1", spec, config))}
+    trainer = objects[("StatefulSet", "tiny-trainer")]["spec"]["template"]["spec"]
+    assert trainer["nodeSelector"] == {"pool": "gpu"}  # the run's own setting wins, field by field
+    assert trainer["containers"][0]["resources"] == {"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": "2"}}
+    assert trainer["containers"][0]["image"] == "img:1"
+    generator = objects[("Deployment", "tiny-generator")]["spec"]["template"]["spec"]
+    assert generator["containers"][0]["image"] == "gen:2"
+    assert generator["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert objects[("StatefulSet", "tiny-redis")]["spec"]["template"]["spec"]["containers"][0]["image"] == "redis:7.0"
+    # two ranks: one pod each, node rank from the pod's ordinal, rendezvous on pod 0
+    two_ranks = spec.model_copy(update={"training": spec.training.model_copy(update={"num_ranks": 2})})
+    stateful_set = trainer_stateful_set(Run("tiny", "ns", "uid-1", two_ranks, config))
+    command = stateful_set["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert stateful_set["spec"]["replicas"] == 2 and command[:2] == ["sh", "-c"]
+    assert "--nnodes=2 --nproc-per-node=1 --node-rank=${HOSTNAME##*-}" in command[2]
+    assert "--master-addr=tiny-trainer-0.tiny-trainer.ns.svc" in command[2]
 
 
 # ---- against the API server -------------------------------------------------------------------------------

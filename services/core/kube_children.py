@@ -204,7 +204,7 @@ def pod_settings(run: Run, component: str) -> PodSpec:
     """The run's settings for a component's pods, over the operator's defaults (field by field)."""
     default = run.config.pods.get(component, PodSpec())
     mine = getattr(run.spec.kubernetes, component)
-    return default.model_copy(update=mine.model_dump(exclude_unset=True))
+    return PodSpec.model_validate({**default.model_dump(exclude_unset=True), **mine.model_dump(exclude_unset=True)})
 
 
 def _container(run: Run, component: str, command: list[str], ports: dict[str, int], **extra: Any) -> dict[str, Any]:
