@@ -42,6 +42,7 @@ def run_for(folder: Path, example: str, seconds: float, transport: str, lag: int
     run = RunPaths(folder / "run")
     wait_for_step(proc, run.root, 1, timeout_s=900)
     time.sleep(seconds)
+    wait_for_step(proc, run.root, 3, timeout_s=900)  # a rate needs steps after the first, however slow they are
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=120)
     rows = read_metrics(run.metrics)
