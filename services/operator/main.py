@@ -395,6 +395,7 @@ def add_operator_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--kubeconfig", type=Path, help="kubeconfig (default: $KUBECONFIG, ~/.kube/config or in-cluster)"
     )
+    parser.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.set_defaults(handler=operator_command)
 
 
@@ -414,5 +415,7 @@ def operator_command(args: argparse.Namespace) -> int:
         load_config(args.config)  # a bad file is an error now, not in the first handler
         os.environ[CONFIG_ENV] = str(args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s operator %(levelname)s %(message)s")
-    kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace)
+    kopf.run(
+        standalone=True, clusterwide=not args.namespace, namespaces=args.namespace, liveness_endpoint=args.liveness
+    )
     return 0

@@ -1,0 +1,25 @@
+{{/* The release's full name, at most 63 characters (a DNS label). */}}
+{{- define "reinforce.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of the operator's objects; runs' children carry app.kubernetes.io/name=reinforce instead. */}}
+{{- define "reinforce.selectorLabels" -}}
+app.kubernetes.io/name: reinforce-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "reinforce.labels" -}}
+{{ include "reinforce.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "reinforce.serviceAccountName" -}}
+{{- default (include "reinforce.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
