@@ -33,7 +33,14 @@ from kubernetes.utils import create_from_dict
 from prometheus_client import start_http_server
 
 from reinforce.core import crd, operator_deploy
-from reinforce.core.kube_children import OperatorConfig, Run, children, trainer_stateful_set
+from reinforce.core.kube_children import (
+    OperatorConfig,
+    Run,
+    children,
+    generator_port,
+    secrets_secret,
+    trainer_stateful_set,
+)
 from reinforce.core.kube_spec import ReinforceRunSpec
 from reinforce.core.metrics import TrainerMetrics
 from reinforce.core.models import materialize_policy
@@ -126,8 +133,29 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     stateful_set = trainer_stateful_set(Run("tiny", "ns", "uid-1", two_ranks, config))
     command = stateful_set["spec"]["template"]["spec"]["containers"][0]["command"]
     assert stateful_set["spec"]["replicas"] == 2 and command[:2] == ["sh", "-c"]
-    assert "--nnodes=2 --nproc-per-node=1 --node-rank=${HOSTNAME##*-}" in command[2]
+    assert "--nnodes=2 --nproc-per-node=1 --node-rank=${POD_NAME##*-}" in command[2]
     assert "--master-addr=tiny-trainer-0.tiny-trainer.ns.svc" in command[2]
+
+
+def test_host_network_profile_reaches_everything_on_the_node() -> None:
+    """The single-node test cluster has no kube-proxy and no DNS: pods use the node's network."""
+    config = OperatorConfig(profile="host-network")
+    spec = ReinforceRunSpec.model_validate({**example_run(**{"generation.num_generators": 2})["spec"], "name": "t"})
+    run = Run("t", "ns", "uid-1", spec, config)
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in children(run)}
+    workloads = [o for o in objects.values() if o["kind"] in ("Deployment", "StatefulSet")]
+    assert all(w["spec"]["template"]["spec"]["hostNetwork"] for w in workloads)
+    generators = objects[("StatefulSet", "t-generator")]  # ordinals give each generator its own port
+    command = generators["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    assert "--reward-url http://127.0.0.1:8000 --port $((8080 + ${POD_NAME##*-}))" in command
+    assert [generator_port(run, f"t-generator-{i}") for i in range(2)] == [8080, 8081]
+    trainer = objects[("StatefulSet", "t-trainer")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert trainer[trainer.index("--advertise-host") + 1] == "127.0.0.1"
+    url = secrets_secret(run)["stringData"]["url"]
+    assert url.startswith("redis://:") and url.endswith("@127.0.0.1:6379/0")
+    standard = Run("t", "ns", "uid-1", spec, OperatorConfig())
+    assert secrets_secret(standard)["stringData"]["url"].endswith("@t-redis.ns.svc:6379/0")
+    assert generator_port(standard, "t-generator-5d8f-x2") == 8080
 
 
 # ---- against the API server -------------------------------------------------------------------------------
@@ -265,7 +293,8 @@ def test_a_run_gets_every_child_owned_by_it(operator_env: OperatorConfig, cluste
     env = {e.name: e.value_from.secret_key_ref for e in trainer.env if e.value_from and e.value_from.secret_key_ref}
     assert env["REINFORCE_REDIS_URL"].name == "tiny-secrets" and env["REINFORCE_REDIS_URL"].key == "url"
     generator = children[("Deployment", "tiny-generator")].spec.template.spec.containers[0]
-    assert "http://tiny-reward:8000" in generator.command and "$(POD_NAME)" in generator.command
+    assert f"http://tiny-reward.{cluster.namespace}.svc:8000" in generator.command
+    assert "$(POD_NAME)" in generator.command
     assert children[("Service", "tiny-trainer")].spec.cluster_ip == "None"
     assert cluster.condition("SpecAccepted")["status"] == "True"
 

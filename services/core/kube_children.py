@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -62,6 +62,12 @@ class OperatorConfig(_Section):
         description="Default pod settings per component (redis, reward, generator, trainer); a run's own win.",
     )
     ports: Ports = Field(default_factory=Ports)
+    profile: Literal["standard", "host-network"] = Field(
+        "standard",
+        description="standard: pods reach each other through Services and cluster DNS (real clusters). "
+        "host-network: every pod uses the node's network and reaches the others on 127.0.0.1, for a single-node "
+        "cluster without kube-proxy or DNS; one run per node, generator i listens on ports.generator + i.",
+    )
 
     @field_validator("pods")
     @classmethod
@@ -116,6 +122,14 @@ class Run:
     def replicas(self, wanted: int) -> int:
         return 0 if self.stopped else wanted
 
+    @property
+    def host_network(self) -> bool:
+        return self.config.profile == "host-network"
+
+    def host(self, component: str) -> str:
+        """Where the other pods reach a component's Service (host-network: the node itself)."""
+        return "127.0.0.1" if self.host_network else f"{self.child(component)}.{self.namespace}.svc"
+
 
 def children(run: Run) -> list[dict[str, Any]]:
     """Every object the run owns, in the order they are applied (what others mount or call comes first)."""
@@ -149,7 +163,7 @@ def secrets_secret(run: Run) -> dict[str, Any]:
     if run.spec.kubernetes.external_redis_secret is None:
         password = secrets.token_urlsafe(24)
         values["redis-password"] = password
-        address = f"{run.child('redis')}.{run.namespace}.svc:{run.config.ports.redis}"
+        address = f"{run.host('redis')}:{run.config.ports.redis}"
         values[REDIS_URL_KEY] = f"redis://:{password}@{address}/0"
     return {"apiVersion": "v1", "kind": "Secret", "metadata": run.metadata(run.child("secrets")), "stringData": values}
 
@@ -228,6 +242,8 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
 def _pod_template(run: Run, component: str, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
     settings = pod_settings(run, component)
     spec: dict[str, Any] = {"containers": containers, "volumes": volumes}
+    if run.host_network:
+        spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     if settings.node_selector:
         spec["nodeSelector"] = settings.node_selector
     if settings.tolerations:
@@ -277,18 +293,9 @@ def redis_stateful_set(run: Run) -> dict[str, Any]:
         "metadata": {"name": "data", "labels": run.labels},
         "spec": _claim_spec(run, run.spec.kubernetes.redis_storage_size),
     }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": run.metadata(run.child("redis"), "redis"),
-        "spec": {
-            "replicas": run.replicas(1),
-            "serviceName": run.child("redis"),
-            "selector": {"matchLabels": run.selector("redis")},
-            "template": _pod_template(run, "redis", [container], []),
-            "volumeClaimTemplates": [claim],
-        },
-    }
+    stateful_set = _stateful_set(run, "redis", 1, _pod_template(run, "redis", [container], []))
+    stateful_set["spec"]["volumeClaimTemplates"] = [claim]
+    return stateful_set
 
 
 def reward_service(run: Run) -> dict[str, Any]:
@@ -313,20 +320,63 @@ def reward_deployment(run: Run) -> dict[str, Any]:
 
 
 def generator_deployment(run: Run) -> dict[str, Any]:
+    """A Deployment; in the host-network profile a StatefulSet, whose pod ordinal i gives the port base + i."""
     p = run.config.ports
-    reward_url = f"http://{run.child('reward')}:{p.reward_http}"
-    command = _python_service("reinforce.generator", reward_url=reward_url, port=p.generator, id="$(POD_NAME)")
+    reward_url = f"http://{run.host('reward')}:{p.reward_http}"
     volume, mount = _spec_volume(run)
-    container = _container(
-        run, "generator", command, {"control": p.generator},
-        env=_service_env(run),
-        volumeMounts=[mount, {"name": "cache", "mountPath": DATA_DIR}],
-        readinessProbe=_http_probe("/readyz", p.generator),
-        livenessProbe={**_http_probe("/healthz", p.generator, 10), "initialDelaySeconds": 60},
-    )  # fmt: skip
     volumes = [volume, {"name": "cache", "emptyDir": {}}]
-    template = _pod_template(run, "generator", [container], volumes)
-    return _deployment(run, "generator", run.spec.generation.num_generators, template)
+    mounts = [mount, {"name": "cache", "mountPath": DATA_DIR}]
+    replicas = run.spec.generation.num_generators
+    if not run.host_network:
+        command = _python_service("reinforce.generator", reward_url=reward_url, port=p.generator, id="$(POD_NAME)")
+        container = _container(
+            run, "generator", command, {"control": p.generator},
+            env=_service_env(run),
+            volumeMounts=mounts,
+            readinessProbe=_http_probe("/readyz", p.generator),
+            livenessProbe={**_http_probe("/healthz", p.generator, 10), "initialDelaySeconds": 60},
+        )  # fmt: skip
+        return _deployment(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
+    port = f"$(({p.generator} + ${{POD_NAME##*-}}))"
+    generator = _python_service("reinforce.generator", reward_url=reward_url, port=port, id="$POD_NAME")
+    probe = {"exec": {"command": ["python", "-c", _READY_BY_ORDINAL.format(base=p.generator)]}, "periodSeconds": 5}
+    container = _container(
+        run, "generator", ["sh", "-c", "exec " + " ".join(generator)], {},
+        env=_service_env(run),
+        volumeMounts=mounts,
+        readinessProbe=probe,
+    )  # fmt: skip
+    return _stateful_set(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
+
+
+# host-network readiness: the port depends on the pod's ordinal, which a probe's fixed port cannot say.
+# (In a hostNetwork pod HOSTNAME is the node's name: the pod's name comes from the downward API, POD_NAME.)
+_READY_BY_ORDINAL = (
+    "import os, urllib.request; "
+    'urllib.request.urlopen(f\'http://127.0.0.1:{{{base} + int(os.environ["POD_NAME"].rsplit("-", 1)[1])}}/readyz\', '
+    "timeout=3)"
+)
+
+
+def generator_port(run: Run, pod_name: str) -> int:
+    """The control port of a generator pod (host-network: base + its ordinal)."""
+    base = run.config.ports.generator
+    return base + int(pod_name.rsplit("-", 1)[1]) if run.host_network else base
+
+
+def _stateful_set(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": run.metadata(run.child(component), component),
+        "spec": {
+            "replicas": run.replicas(replicas),
+            "serviceName": run.child(component),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": run.selector(component)},
+            "template": template,
+        },
+    }
 
 
 def _deployment(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +399,9 @@ def trainer_service(run: Run) -> dict[str, Any]:
 
 
 def trainer_pod_address(run: Run, ordinal: int) -> str:
-    """The DNS name of trainer pod `ordinal` through the headless Service."""
+    """The DNS name of trainer pod `ordinal` through the headless Service (host-network: the node)."""
+    if run.host_network:
+        return "127.0.0.1"
     return f"{run.child('trainer')}-{ordinal}.{run.child('trainer')}.{run.namespace}.svc"
 
 
@@ -367,7 +419,7 @@ def trainer_command(run: Run) -> list[str]:
     # One rank per pod; the pod's ordinal (the end of its name) is its node rank, so rank 0 is pod 0, which
     # serves the weights and the metrics.
     launcher = (
-        f"python -m torch.distributed.run --nnodes={ranks} --nproc-per-node=1 --node-rank=${{HOSTNAME##*-}} "
+        f"python -m torch.distributed.run --nnodes={ranks} --nproc-per-node=1 --node-rank=${{POD_NAME##*-}} "
         f"--master-addr={trainer_pod_address(run, 0)} --master-port={p.rendezvous}"
     )
     return ["sh", "-c", f"exec {launcher} -m {' '.join(trainer[2:])}"]
@@ -384,15 +436,7 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
         readinessProbe={"tcpSocket": {"port": p.trainer_metrics}, "periodSeconds": 5},
     )  # fmt: skip
     volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("data")}}]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": run.metadata(run.child("trainer"), "trainer"),
-        "spec": {
-            "replicas": run.replicas(run.spec.training.num_ranks),
-            "serviceName": run.child("trainer"),
-            "podManagementPolicy": "Parallel",  # every rank at once: they rendezvous
-            "selector": {"matchLabels": run.selector("trainer")},
-            "template": _pod_template(run, "trainer", [container], volumes),
-        },
-    }
+    # Parallel pod management: every rank starts at once, as the rendezvous needs
+    return _stateful_set(
+        run, "trainer", run.spec.training.num_ranks, _pod_template(run, "trainer", [container], volumes)
+    )

@@ -43,6 +43,7 @@ from reinforce.core.kube_children import (
     OperatorConfig,
     Run,
     children,
+    generator_port,
     services_spec_yaml,
 )
 from reinforce.core.kube_spec import ReinforceRunSpec, parse_run_resource
@@ -324,7 +325,7 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
     generators = [p for p in pods if p.component == "generator"]
     reconciler = weight_reconciler(state.api, run, memory)
     reconciler.retarget(
-        {p.name: f"http://{p.ip}:{state.config.ports.generator}" for p in generators if p.ready and p.ip}
+        {p.name: f"http://{p.ip}:{generator_port(run, p.name)}" for p in generators if p.ready and p.ip}
     )
     published, loaded = reconciler.reconcile_once()
     trainer_0 = next((p for p in pods if p.name == f"{run.child('trainer')}-0" and p.ip), None)
