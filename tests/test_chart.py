@@ -98,6 +98,19 @@ def test_namespaces_and_operator_config_reach_the_operator() -> None:
     assert yaml.safe_load(config["data"]["operator.yaml"])["image"] == "mine:2"
 
 
+def test_host_network_profile_points_the_operator_at_the_api_server() -> None:
+    objects = render(
+        "--set", "hostNetwork=true", "--set", "apiServer=127.0.0.1:6443", "--set", "operatorConfig.profile=host-network"
+    )  # fmt: skip
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env == {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
+    assert (
+        "env" not in next(o for o in render() if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    )
+
+
 @pytest.mark.parametrize(
     ("setting", "complaint"),
     [
@@ -105,6 +118,8 @@ def test_namespaces_and_operator_config_reach_the_operator() -> None:
         ("bogus=1", "bogus"),
         ("operatorConfig.ports.generator=70000", "generator"),
         ("operatorConfig.pods.trainer.gpus=-1", "gpus"),
+        ("apiServer=https://x", "apiServer"),
+        ("operatorConfig.profile=flat", "profile"),
     ],
 )
 def test_the_schema_refuses_bad_values_naming_them(setting: str, complaint: str) -> None:

@@ -69,6 +69,13 @@ class ChartValues(_Values):
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list, description="The operator pod's tolerations, as Kubernetes spells them."
     )
+    hostNetwork: bool = Field(False, description="Run the operator pod on the node's network (host-network profile).")
+    apiServer: str = Field(
+        "",
+        pattern=r"^$|^[^:/]+:[0-9]+$",
+        description="host:port of the API server for an operator that cannot reach the `kubernetes` Service "
+        "(no kube-proxy), e.g. 127.0.0.1:6443; empty: the in-cluster default.",
+    )
     operatorConfig: OperatorConfig = Field(
         default_factory=OperatorConfig,
         description="The operator's configuration: images, ports and pod defaults of the runs' components.",
