@@ -364,32 +364,29 @@ def generator_port(run: Run, pod_name: str) -> int:
     return base + int(pod_name.rsplit("-", 1)[1]) if run.host_network else base
 
 
-def _stateful_set(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+def _workload(kind: str, run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "replicas": run.replicas(replicas),
+        "selector": {"matchLabels": run.selector(component)},
+        "template": template,
+    }
+    if kind == "StatefulSet":
+        # Parallel: pods start (and trainer ranks rendezvous) at once rather than one after the other
+        spec.update(serviceName=run.child(component), podManagementPolicy="Parallel")
     return {
         "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
+        "kind": kind,
         "metadata": run.metadata(run.child(component), component),
-        "spec": {
-            "replicas": run.replicas(replicas),
-            "serviceName": run.child(component),
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": run.selector(component)},
-            "template": template,
-        },
+        "spec": spec,
     }
+
+
+def _stateful_set(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    return _workload("StatefulSet", run, component, replicas, template)
 
 
 def _deployment(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": run.metadata(run.child(component), component),
-        "spec": {
-            "replicas": run.replicas(replicas),
-            "selector": {"matchLabels": run.selector(component)},
-            "template": template,
-        },
-    }
+    return _workload("Deployment", run, component, replicas, template)
 
 
 def trainer_service(run: Run) -> dict[str, Any]:
@@ -436,7 +433,6 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
         readinessProbe={"tcpSocket": {"port": p.trainer_metrics}, "periodSeconds": 5},
     )  # fmt: skip
     volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("data")}}]
-    # Parallel pod management: every rank starts at once, as the rendezvous needs
     return _stateful_set(
         run, "trainer", run.spec.training.num_ranks, _pod_template(run, "trainer", [container], volumes)
     )
