@@ -10,8 +10,10 @@ Level-triggered, like the weight reconciler it drives. On every change of a run 
    them in the `SpecAccepted` condition;
 2. applies every child (core/kube_children.py) with server-side apply; a suspended or finished run gets zero
    replicas everywhere;
-3. observes the pods, the published weight version (from the run's Redis) and the trainer's metrics, has
-   every ready generator load the published version (core/rollout.py), and writes the status.
+3. observes the pods and the trainer's metrics and writes the status.
+
+Apart from those passes a per-run loop (kopf daemon) has every ready generator load the published weight
+version (core/rollout.py's reconciler, the local supervisor's too) within WEIGHT_POLL_S of its publication.
 
 Deleting a run deletes its children (ownerReferences); a finalizer deletes its Redis keys first when the
 Redis is external (the run's own Redis goes with its volume).
@@ -49,7 +51,7 @@ from reinforce.core.kube_children import (
 from reinforce.core.kube_spec import ReinforceRunSpec, parse_run_resource
 from reinforce.core.metrics import PREFIX, prometheus_name
 from reinforce.core.queue import RolloutQueue
-from reinforce.core.rollout import WeightReconciler
+from reinforce.core.rollout import GeneratorWeights, WeightReconciler
 from reinforce.core.spec import SpecError
 
 log = logging.getLogger("reinforce.operator")
@@ -70,7 +72,8 @@ _KINDS = {
     "StatefulSet": (client.AppsV1Api, "stateful_set"),
 }
 HTTP_TIMEOUT_S = 2.0
-STATUS_INTERVAL_S = 2.0  # how often each run's pods, weights and trainer are looked at
+STATUS_INTERVAL_S = 2.0  # how often each run's pods and trainer are looked at and its status written
+WEIGHT_POLL_S = 0.1  # how often each run's published weight version is checked
 CONFIG_ENV = "REINFORCE_OPERATOR_CONFIG"  # path of the operator's configuration file (OperatorConfig YAML)
 
 
@@ -168,6 +171,12 @@ class RunMemory:
     reconciler: WeightReconciler | None = None
     redis_url: str = ""
     last_metrics: dict[str, float] = field(default_factory=dict)
+    # set by the status pass, read by the weight rollout loop
+    run: Run | None = None
+    generator_urls: dict[str, str] = field(default_factory=dict)
+    # set by the weight rollout loop, read by the status pass
+    published: int | None = None
+    loaded: list[GeneratorWeights] = field(default_factory=list)
 
     def close(self) -> None:
         if self.reconciler is not None:
@@ -323,11 +332,11 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
     memory = state.runs.setdefault(run.uid, RunMemory())
     pods = pod_states(state.api, run)
     generators = [p for p in pods if p.component == "generator"]
-    reconciler = weight_reconciler(state.api, run, memory)
-    reconciler.retarget(
-        {p.name: f"http://{p.ip}:{generator_port(run, p.name)}" for p in generators if p.ready and p.ip}
-    )
-    published, loaded = reconciler.reconcile_once()
+    memory.run = run
+    memory.generator_urls = {
+        p.name: f"http://{p.ip}:{generator_port(run, p.name)}" for p in generators if p.ready and p.ip
+    }
+    published, loaded = memory.published, memory.loaded
     trainer_0 = next((p for p in pods if p.name == f"{run.child('trainer')}-0" and p.ip), None)
     if trainer_0 is not None:
         memory.last_metrics.update(
@@ -355,6 +364,28 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
     )
     if phase == "Succeeded" and not finished:
         log.info("run %s/%s finished: scaling it to zero", run.namespace, run.name)
+
+
+@kopf.daemon(*RUNS, cancellation_timeout=10)
+def roll_out_weights(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """Weight rollout, apart from the status pass: an on-policy step waits for it, so it polls every
+    WEIGHT_POLL_S (one Redis GET while nothing changes) instead of the status pass's interval."""
+    state = _state(memo)
+    memory = state.runs.setdefault(body["metadata"]["uid"], RunMemory())
+    while not stopped:
+        run = memory.run
+        if run is None:  # the first status pass has not run yet (or the spec is invalid)
+            stopped.wait(STATUS_INTERVAL_S)
+            continue
+        try:
+            reconciler = weight_reconciler(state.api, run, memory)
+        except (client.ApiException, kopf.TemporaryError) as err:  # the secrets are not there yet
+            log.info("run %s: weight rollout waits: %s", run.name, err)
+            stopped.wait(STATUS_INTERVAL_S)
+            continue
+        reconciler.retarget(memory.generator_urls)
+        memory.published, memory.loaded = reconciler.reconcile_once()
+        stopped.wait(WEIGHT_POLL_S)
 
 
 def _uses_external_redis(spec: kopf.Spec, **_: Any) -> bool:
