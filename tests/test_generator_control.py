@@ -178,3 +178,19 @@ def test_a_body_that_is_not_json_is_422(http: TestClient, gen: Generator) -> Non
     headers = {**AUTH, "Content-Type": "application/json"}
     assert http.post("/v1/weights", content=b"{not json", headers=headers).status_code == 422
     assert gen.weights.desired is None
+
+
+def test_a_generator_without_a_supervisor_prepares_the_same_initial_policy(
+    spec: RunSpec, redis_url: str, tmp_path: Path
+) -> None:
+    """On Kubernetes no supervisor writes initial_policy/: the generator builds it, identical to the one the
+    supervisor (and the trainer's reference) has."""
+    pod_spec = spec.model_copy(update={"run_dir": str(tmp_path / "pod-run")})
+    generator = Generator(pod_spec, redis_url, REWARD_URL, "gen-pod")
+    try:
+        expected = load_policy(RunPaths(spec.resolved_run_dir()).initial_policy)
+        assert RunPaths(pod_spec.resolved_run_dir()).initial_policy.is_dir()
+        assert same_weights(generator.model, state(expected))
+    finally:
+        generator.reward.close()
+        generator.queue.client.close()

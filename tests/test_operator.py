@@ -43,7 +43,6 @@ from reinforce.core.kube_children import (
 )
 from reinforce.core.kube_spec import ReinforceRunSpec
 from reinforce.core.metrics import TrainerMetrics
-from reinforce.core.models import materialize_policy
 from reinforce.core.operator_deploy import OPERATOR_NAME, OPERATOR_NAMESPACE, OPERATOR_RULES
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.records_pb2 import WeightVersion
@@ -396,7 +395,6 @@ def generator_listening(operator_env: OperatorConfig, tmp_path: Path, redis_url:
             "data": {"prompts": str(tmp_path / "unused.txt"), "chat_template": False},
         }
     )
-    materialize_policy(spec.policy, RunPaths(spec.resolved_run_dir()).initial_policy, spec.seed)
     torch.set_num_threads(1)
     generator = Generator(spec, redis_url, "http://127.0.0.1:9", "generator-under-test")
     servers: list[uvicorn.Server] = []

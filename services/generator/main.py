@@ -32,7 +32,7 @@ from google.protobuf.json_format import ParseDict, ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from reinforce.core.metrics import GeneratorMetrics
-from reinforce.core.models import load_policy, load_tokenizer
+from reinforce.core.models import load_policy, load_tokenizer, materialize_policy
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
 from reinforce.core.reward_client import RewardClient
@@ -61,6 +61,8 @@ class Generator:
         self.name = name
         self.token = token  # also the trainer's weight endpoint's (weights.transport http)
         paths = RunPaths(spec.resolved_run_dir())
+        # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns)
+        materialize_policy(spec.policy, paths.initial_policy, spec.seed)
         self.tokenizer = load_tokenizer(paths.initial_policy)
         self.model = load_policy(paths.initial_policy)  # weight version 0
         self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads

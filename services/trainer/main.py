@@ -32,7 +32,13 @@ from reinforce.core.checkpoint import TrainerState, list_checkpoints, load_check
 from reinforce.core.data import PromptCursor, read_prompt_file
 from reinforce.core.distributed import Ranks
 from reinforce.core.metrics import TrainerMetrics, read_metrics
-from reinforce.core.models import encode_prompt_checked, load_policy, load_tokenizer, response_logprobs
+from reinforce.core.models import (
+    encode_prompt_checked,
+    load_policy,
+    load_tokenizer,
+    materialize_policy,
+    response_logprobs,
+)
 from reinforce.core.plot import plot_metrics
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
@@ -185,6 +191,9 @@ class Trainer:
         self.ranks = ranks or Ranks()
         self.consumer = f"trainer-{self.ranks.rank}"
         self.paths = RunPaths(spec.resolved_run_dir())
+        # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns);
+        # before seeding, so that building it leaves the trainer's random state as it would be otherwise.
+        materialize_policy(spec.policy, self.paths.initial_policy, spec.seed)
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
         self.update = PolicyUpdate(spec, self.paths.initial_policy, self.ranks)
