@@ -4,6 +4,7 @@ import re
 import sys
 from pathlib import Path
 
+from reinforce.core.dashboards import ALERTS, DASHBOARDS
 from reinforce.core.kube_children import OperatorConfig
 from reinforce.core.kube_spec import ReinforceRunSpec
 from reinforce.core.metrics import STEP_METRICS, prometheus_name
@@ -23,11 +24,27 @@ def kubernetes_reference_markdown() -> str:
     return reference_markdown(ReinforceRunSpec, skip=tuple(RunSpec.model_fields))
 
 
+def dashboards_markdown() -> str:
+    rows = ["| dashboard (uid) | shows | panels |", "| --- | --- | --- |"]
+    rows += [f"| {d.title} (`{d.uid}`) | {d.description} | {len(d.panels)} |" for d in DASHBOARDS]
+    return "\n".join(rows)
+
+
+def alerts_markdown() -> str:
+    rows = ["| alert | severity | fires when |", "| --- | --- | --- |"]
+    for a in ALERTS:
+        pending = f", for {a.for_minutes} min" if a.for_minutes else ""
+        rows.append(f"| `{a.name}` | {a.severity} | `{a.expr}`{pending} |")
+    return "\n".join(rows)
+
+
 GENERATED = {
     "spec-reference": reference_markdown,
     "kubernetes-reference": kubernetes_reference_markdown,
     "operator-config": lambda: reference_markdown(OperatorConfig),
     "metrics": metrics_markdown,
+    "dashboards": dashboards_markdown,
+    "alerts": alerts_markdown,
 }
 
 

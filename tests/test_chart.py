@@ -20,6 +20,7 @@ from kubernetes import client
 
 from reinforce.core import chart, crd
 from reinforce.core.chart import CHART, ChartValues
+from reinforce.core.dashboards import ALERTS, COMPONENT_LABEL, INSTANCE_LABEL, RUN_LABEL
 from reinforce.core.operator_deploy import OPERATOR_RULES
 
 BIN = Path(sys.executable).parent  # scripts/install_system.py puts helm and kubectl beside python
@@ -65,9 +66,11 @@ def test_lint_passes() -> None:
 def test_rendered_objects_validate_and_the_role_is_the_operators() -> None:
     objects = render()
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "ServiceAccount"] + [
-        "ConfigMap"
-    ] * len(list((CHART / "dashboards").glob("*.json")))
+    dashboards = len(list((CHART / "dashboards").glob("*.json")))
+    assert dashboards == 4
+    assert kinds == sorted(
+        ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "ServiceAccount"] + ["ConfigMap"] * dashboards
+    )
     for obj in objects:
         kubernetes_validate.validate(obj, VALIDATE_VERSION, strict=True)
     role = next(o for o in objects if o["kind"] == "ClusterRole")
@@ -82,11 +85,14 @@ def test_rendered_objects_validate_and_the_role_is_the_operators() -> None:
 def test_monitoring_objects_only_where_their_apis_exist() -> None:
     assert not {o["kind"] for o in render()} & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
     args = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
-    kinds = {o["kind"] for o in render(*args)}
-    expected = {"ServiceMonitor", "PodMonitor"}
-    if (CHART / "alerts" / "reinforce-rules.yaml").exists():
-        expected.add("PrometheusRule")
-    assert expected <= kinds
+    objects = render(*args)
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= {o["kind"] for o in objects}
+    rules = next(o for o in objects if o["kind"] == "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert [r["alert"] for r in rules] == [a.name for a in ALERTS]
+    # Both monitors give every series the labels the dashboards and alerts select by.
+    monitors = [o["spec"] for o in objects if o["kind"] in {"ServiceMonitor", "PodMonitor"}]
+    for (endpoint,) in [m.get("endpoints") or m["podMetricsEndpoints"] for m in monitors]:
+        assert {r["targetLabel"] for r in endpoint["relabelings"]} == {RUN_LABEL, COMPONENT_LABEL, INSTANCE_LABEL}
 
 
 def test_namespaces_and_operator_config_reach_the_operator() -> None:

@@ -48,11 +48,13 @@ STEP_METRICS: dict[str, str] = {
     "weights/published_version": "Latest published weight version.",
     "queue/prompts_pending": "Prompts enqueued but not yet acknowledged by a generator.",
     "queue/rollouts_waiting": "Rollout groups not yet consumed by the trainer.",
+    "queue/dead_letters": "Records moved to the run's dead-letter stream because they did not decode.",
     "data/truncated_prompts": "Prompts of the step truncated from the left to max_prompt_tokens.",
     "data/skipped_long_prompts": "Prompts skipped this step for being longer than max_prompt_tokens.",
 }
 
-STEP = "step"  # the jsonl key of the step number; Prometheus: reinforce_trainer_step
+STEP = "step"  # the jsonl key of the step number; Prometheus: TRAINER_STEP
+TRAINER_STEP = PREFIX + "trainer_step"  # Prometheus name of the last completed step
 TIME = "time"  # the jsonl key of the unix time the step finished
 
 
@@ -69,7 +71,7 @@ class TrainerMetrics:
         self._gauges = {
             name: Gauge(prometheus_name(name), doc, registry=self.registry) for name, doc in STEP_METRICS.items()
         }
-        self._step = Gauge(PREFIX + "trainer_step", "Last completed trainer step.", registry=self.registry)
+        self._step = Gauge(TRAINER_STEP, "Last completed trainer step.", registry=self.registry)
         self.policy_lag = Histogram(
             PREFIX + "trainer_group_policy_lag",
             "Per rollout group: trained version - version that sampled it.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -26,6 +27,7 @@ import httpx
 import redis
 from tqdm import tqdm
 
+from reinforce.core.dashboards import COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER, file_sd_target
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import read_metrics
 from reinforce.core.models import materialize_policy
@@ -36,6 +38,8 @@ from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
+# In the run folder: every component's metrics address, in Prometheus' file-service-discovery format.
+PROMETHEUS_TARGETS = "prometheus_targets.json"
 
 
 class RunFailed(RuntimeError):
@@ -123,6 +127,7 @@ class Supervisor:
         self.paths = RunPaths(spec.resolved_run_dir())
         self.components: list[Component] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.scrape_targets: list[dict] = []
 
     def component(self, name: str, argv: list[str]) -> Component:
         c = Component(name, argv, self.paths.logs / f"{name}.log")
@@ -148,7 +153,9 @@ class Supervisor:
         return argv
 
     def trainer_argv(self) -> list[str]:
-        argv = self.service_argv("reinforce.trainer", metrics_port=free_port())
+        metrics_port = free_port()
+        self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
+        argv = self.service_argv("reinforce.trainer", metrics_port=metrics_port)
         ranks = self.spec.training.num_ranks
         if ranks == 1:
             return argv
@@ -176,6 +183,7 @@ class Supervisor:
 
     def start_reward(self) -> str:
         http, grpc, metrics = free_port(), free_port(), free_port()
+        self.add_scrape_target(COMPONENT_REWARD, "reward", metrics)
         c = self.component(
             "reward", self.service_argv("reinforce.reward", http_port=http, grpc_port=grpc, metrics_port=metrics)
         )
@@ -188,11 +196,24 @@ class Supervisor:
         urls = {}
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
+            self.add_scrape_target(COMPONENT_GENERATOR, name, port)
             self.component(name, self.service_argv("reinforce.generator", reward_url=reward_url, port=port, id=name))
             urls[name] = f"http://127.0.0.1:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(f"{url}/readyz"))
         return urls
+
+    def add_scrape_target(self, component: str, instance: str, port: int) -> None:
+        """List a metrics endpoint in RUN_DIR/prometheus_targets.json, for a Prometheus `file_sd_configs`."""
+        self.scrape_targets.append(file_sd_target(self.spec.name, component, instance, f"127.0.0.1:{port}"))
+        self.write_scrape_targets()
+
+    def write_scrape_targets(self) -> None:
+        """Rewritten whole, by rename: Prometheus watches the file and must never read half of it."""
+        path = self.paths.root / PROMETHEUS_TARGETS
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.scrape_targets, indent=2) + "\n")
+        partial.replace(path)
 
     def run(self) -> None:
         self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
@@ -248,6 +269,9 @@ class Supervisor:
         # trainer first (it checkpoints), then generators, reward server, Redis last
         for c in reversed(self.components):
             c.stop()
+        # A stopped run has nothing to scrape (and no alert should report its processes as down).
+        self.scrape_targets.clear()
+        self.write_scrape_targets()
 
 
 def _redis_pings(client: redis.Redis) -> bool:

@@ -441,6 +441,7 @@ class Trainer:
             "weights/published_version": float(self.step),
             "queue/prompts_pending": float(depths["prompts"]),
             "queue/rollouts_waiting": float(depths["rollouts_unread"]),
+            "queue/dead_letters": float(depths["deadletter"]),
         }
 
 

@@ -23,3 +23,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "reinforce.serviceAccountName" -}}
 {{- default (include "reinforce.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{/*
+The labels the dashboards and alerts select by (services/core/dashboards.py): run, component, instance,
+taken from the pod's labels and name.
+*/}}
+{{- define "reinforce.relabelings" -}}
+- {sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_instance], targetLabel: run}
+- {sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component], targetLabel: component}
+- {sourceLabels: [__meta_kubernetes_pod_name], targetLabel: instance}
+{{- end }}
