@@ -1,5 +1,6 @@
 """`reinforce`: the command line. `reinforce run` runs a pipeline locally; `reinforce operator` runs the
-Kubernetes operator. Each command lives with its service; this only dispatches."""
+Kubernetes operator; `reinforce rollout` keeps generators on the latest weights where neither runs
+(docker compose). Each command lives with its service; this only dispatches."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from reinforce.core.spec import SpecError
 
 
 def main(argv: list[str] | None = None) -> None:
+    from reinforce.core.rollout import add_rollout_command
     from reinforce.operator.main import add_operator_command
     from reinforce.supervisor.main import add_run_command
 
@@ -17,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_command(commands)
     add_operator_command(commands)
+    add_rollout_command(commands)
     args = parser.parse_args(argv)
     if (check := getattr(args, "check", None)) and (problem := check(args)):
         parser.error(problem)

@@ -8,7 +8,9 @@ converges again.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ import httpx
 import redis
 from google.protobuf.json_format import MessageToDict
 
-from reinforce.core.queue import RolloutQueue
+from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import WeightVersion
 
 log = logging.getLogger("reinforce.rollout")
@@ -98,3 +100,57 @@ class WeightReconciler:
 
     def close(self) -> None:
         self.client.close()
+
+
+# --- `reinforce rollout`: the reconciler on its own, where neither the supervisor nor the operator runs it ------
+
+
+def follow(reconciler: WeightReconciler, interval_s: float) -> None:
+    """Reconcile until interrupted, logging each generator's change of loaded version."""
+    loaded: dict[str, int | None] = {}
+    while True:
+        version, states = reconciler.reconcile_once()
+        for state in states:
+            if loaded.get(state.name, -1) != state.loaded_version:
+                log.info("published %s; %s has loaded %s", version, state.name, state.loaded_version)
+                loaded[state.name] = state.loaded_version
+        time.sleep(interval_s)
+
+
+def _generator(value: str) -> tuple[str, str]:
+    name, sep, url = value.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"--generator {value!r}: expected NAME=http://HOST:PORT")
+    return name, url.rstrip("/")
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"error: ${CONTROL_TOKEN_ENV} is not set (the generators' control token)")
+    queue = RolloutQueue(connect(args.redis_url), args.run)
+    reconciler = WeightReconciler(queue, dict(args.generator), token)
+    try:
+        follow(reconciler, args.interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reconciler.close()
+    return 0
+
+
+def add_rollout_command(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "rollout",
+        help="keep generators on the latest published weights (docker compose; the supervisor and operator "
+        "run this themselves)",
+    )
+    parser.add_argument("--run", required=True, help="the run's name (spec `name`): its keys in Redis")
+    parser.add_argument(
+        "--generator", type=_generator, action="append", required=True, metavar="NAME=URL",
+        help="a generator's control address, e.g. generator-0=http://generator:9000 (repeat for each)",
+    )  # fmt: skip
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between passes")
+    add_redis_url_argument(parser)
+    parser.set_defaults(handler=_rollout)
