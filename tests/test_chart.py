@@ -55,7 +55,7 @@ def test_generated_chart_files_are_current() -> None:
 
 def test_values_file_is_the_model() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert ChartValues.model_validate(values).operatorConfig.redis_image == "redis:7.0"
+    assert ChartValues.model_validate(values).operatorConfig.images.redis == "redis:7.0"
 
 
 def test_lint_passes() -> None:
@@ -79,7 +79,7 @@ def test_rendered_objects_validate_and_the_role_is_the_operators() -> None:
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:2] == ["reinforce", "operator"] and not any(c.startswith("--namespace") for c in command)
     config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rel-reinforce-config")
-    assert yaml.safe_load(config["data"]["operator.yaml"])["redis_image"] == "redis:7.0"
+    assert yaml.safe_load(config["data"]["operator.yaml"])["images"]["redis"] == "redis:7.0"
 
 
 def test_monitoring_objects_only_where_their_apis_exist() -> None:
@@ -96,12 +96,12 @@ def test_monitoring_objects_only_where_their_apis_exist() -> None:
 
 
 def test_namespaces_and_operator_config_reach_the_operator() -> None:
-    objects = render("--set", "watchNamespaces={team-a,team-b}", "--set", "operatorConfig.image=mine:2")
+    objects = render("--set", "watchNamespaces={team-a,team-b}", "--set", "operatorConfig.images.trainer=mine:2")
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[-2:] == ["--namespace=team-a", "--namespace=team-b"]
     config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rel-reinforce-config")
-    assert yaml.safe_load(config["data"]["operator.yaml"])["image"] == "mine:2"
+    assert yaml.safe_load(config["data"]["operator.yaml"])["images"]["trainer"] == "mine:2"
 
 
 def test_host_network_profile_points_the_operator_at_the_api_server() -> None:
@@ -188,7 +188,8 @@ def test_helm_install_then_kubectl_apply_a_run_gets_its_children(
             names = lambda: {d.metadata.name for d in apps.list_namespaced_deployment(runs_namespace).items}  # noqa: E731
             assert wait_for(lambda: names() == {"from-kubectl-reward", "from-kubectl-generator"}, 30)
             trainer = apps.read_namespaced_stateful_set("from-kubectl-trainer", runs_namespace)
-            assert trainer.spec.template.spec.containers[0].image == "reinforce:0.1.0"  # the chart's operatorConfig
+            # the chart's operatorConfig
+            assert trainer.spec.template.spec.containers[0].image == "reinforce-trainer:0.1.0"
             runs = client.CustomObjectsApi(admin)
             wait_for(
                 lambda: (

@@ -106,7 +106,10 @@ def test_phase_follows_what_is_observed() -> None:
 
 def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     config = OperatorConfig.model_validate(
-        {"image": "img:1", "pods": {"trainer": {"requests": {"cpu": "4"}, "node_selector": {"pool": "cpu"}}}}
+        {
+            "images": {"trainer": "img:1"},
+            "pods": {"trainer": {"requests": {"cpu": "4"}, "node_selector": {"pool": "cpu"}}},
+        }
     )
     spec = ReinforceRunSpec.model_validate(
         {

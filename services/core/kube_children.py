@@ -51,11 +51,19 @@ class Ports(_Section):
     rendezvous: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous on trainer pod 0.")
 
 
+class Images(_Section):
+    """Each component's image (services/<component>/Dockerfile builds it; `make images` on this machine)."""
+
+    redis: str = Field("redis:7.0", description="The run's Redis (needs `redis-server` and `sh`).")
+    reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
+    generator: str = Field("reinforce-generator:0.1.0", description="Generators.")
+    trainer: str = Field("reinforce-trainer:0.1.0", description="Trainer.")
+
+
 class OperatorConfig(_Section):
     """The operator's configuration: defaults for what a ReinforceRun leaves unset (`--config FILE`)."""
 
-    image: str = Field("reinforce:0.1.0", description="Image of the reward server, generators and trainer.")
-    redis_image: str = Field("redis:7.0", description="Image of the run's Redis.")
+    images: Images = Field(default_factory=Images)
     image_pull_policy: str = Field("IfNotPresent", description="Pull policy of every container.")
     pods: dict[str, PodSpec] = Field(
         default_factory=dict,
@@ -223,14 +231,13 @@ def pod_settings(run: Run, component: str) -> PodSpec:
 
 def _container(run: Run, component: str, command: list[str], ports: dict[str, int], **extra: Any) -> dict[str, Any]:
     settings = pod_settings(run, component)
-    default_image = run.config.redis_image if component == "redis" else run.config.image
     limits = dict(settings.limits)
     if settings.gpus:
         limits["nvidia.com/gpu"] = str(settings.gpus)
     resources = {key: value for key, value in (("requests", settings.requests), ("limits", limits)) if value}
     return {
         "name": component,
-        "image": settings.image or default_image,
+        "image": settings.image or getattr(run.config.images, component),
         "imagePullPolicy": run.config.image_pull_policy,
         "command": command,
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()],

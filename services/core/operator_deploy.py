@@ -20,7 +20,7 @@ from reinforce.core.crd import GROUP, PLURAL
 
 OPERATOR_NAME = "reinforce-operator"
 OPERATOR_NAMESPACE = "reinforce-system"
-DEFAULT_IMAGE = "reinforce:0.1.0"
+DEFAULT_IMAGE = "reinforce-operator:0.1.0"
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "operator" / "operator.yaml"
 
 OPERATOR_RULES: list[dict[str, Any]] = [
