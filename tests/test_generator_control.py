@@ -114,14 +114,14 @@ def test_weight_endpoints_refuse_a_missing_or_wrong_token(http: TestClient, gen:
 
 
 def test_posted_version_is_loaded(http: TestClient, gen: Generator, spec: RunSpec, tmp_path: Path) -> None:
-    assert weights_status(http) == {"loaded_version": 0, "desired_version": None, "last_error": ""}
+    assert weights_status(http) == {"loaded_version": 0, "loads": 0, "desired_version": None, "last_error": ""}
     trained = perturbed_policy(spec, seed=1)
     assert not same_weights(gen.model, state(trained))
     post(http, publish(trained, tmp_path / "weights", version=1))
     # Accepting only records the wish: the worker loads it between batches.
-    assert weights_status(http) == {"loaded_version": 0, "desired_version": 1, "last_error": ""}
+    assert weights_status(http) == {"loaded_version": 0, "loads": 0, "desired_version": 1, "last_error": ""}
     gen.apply_desired_weights()
-    assert weights_status(http) == {"loaded_version": 1, "desired_version": 1, "last_error": ""}
+    assert weights_status(http) == {"loaded_version": 1, "loads": 1, "desired_version": 1, "last_error": ""}
     assert same_weights(gen.model, state(trained))
     assert "reinforce_generator_weight_version 1.0" in http.get("/metrics").text
 
@@ -154,7 +154,7 @@ def test_rollback_to_an_older_version(http: TestClient, gen: Generator, spec: Ru
     # A trainer resumed from an earlier checkpoint publishes an older version: the latest request wins.
     post(http, v1)
     gen.apply_desired_weights()
-    assert weights_status(http) == {"loaded_version": 1, "desired_version": 1, "last_error": ""}
+    assert weights_status(http) == {"loaded_version": 1, "loads": 2, "desired_version": 1, "last_error": ""}
     assert same_weights(gen.model, state(older))
 
 

@@ -92,15 +92,17 @@ def _pods(**ready: tuple[int, int]) -> list[PodState]:
 def test_phase_follows_what_is_observed() -> None:
     spec = ReinforceRunSpec.model_validate({**example_run()["spec"], "name": "tiny"})
     everything = _pods(redis=(1, 1), reward=(1, 1), generator=(2, 1), trainer=(1, 1))
-    assert phase_of(spec, everything, 3, False)[0] == "Running"
-    pending = phase_of(spec, _pods(redis=(1, 1), reward=(1, 0), generator=(1, 1), trainer=(1, 1)), None, False)
+    assert phase_of(spec, everything, 3, False, False)[0] == "Running"
+    pending = phase_of(spec, _pods(redis=(1, 1), reward=(1, 0), generator=(1, 1), trainer=(1, 1)), None, False, False)
     assert pending[:2] == ("Pending", "ComponentsNotReady") and "reward" in pending[2]
-    assert phase_of(spec, everything, spec.training.steps, False)[0] == "Succeeded"
-    assert phase_of(spec, [], None, True)[0] == "Succeeded"  # a finished run stays finished
+    # the last step's weights are published: done once the generators have them (or waited long enough)
+    assert phase_of(spec, everything, spec.training.steps, False, False)[0] == "Running"
+    assert phase_of(spec, everything, spec.training.steps, False, True)[0] == "Succeeded"
+    assert phase_of(spec, [], None, True, False)[0] == "Succeeded"  # a finished run stays finished
     suspended = spec.model_copy(update={"suspend": True})
-    assert phase_of(suspended, [], 3, False)[0] == "Suspended"
+    assert phase_of(suspended, [], 3, False, False)[0] == "Suspended"
     crashing = [*everything[:-1], PodState("trainer-0", "trainer", False, 4, None)]
-    failed = phase_of(spec, crashing, 3, False)
+    failed = phase_of(spec, crashing, 3, False, False)
     assert failed[:2] == ("Failed", "CrashLooping") and "trainer-0 (4 restarts)" in failed[2]
 
 

@@ -195,6 +195,7 @@ def status_schema() -> dict[str, Any]:
             "name": {"type": "string", "description": "Generator pod."},
             "ready": {"type": "boolean"},
             "loadedVersion": {"type": "integer", "description": "Weight version the generator has loaded."},
+            "weightLoads": {"type": "integer", "description": "Weight versions the generator loaded since it started."},
         },
         required=["name"],
     )

@@ -37,6 +37,7 @@ class GeneratorWeights:
     name: str
     loaded_version: int | None  # None: the generator did not answer
     last_error: str = ""
+    loads: int = 0  # versions the generator process has loaded since it started
 
 
 class WeightReconciler:
@@ -90,7 +91,7 @@ class WeightReconciler:
             body = self.client.get(f"{url}/v1/weights").raise_for_status().json()
         except httpx.HTTPError:
             return GeneratorWeights(name, None)
-        return GeneratorWeights(name, body["loaded_version"], body.get("last_error", ""))
+        return GeneratorWeights(name, body["loaded_version"], body.get("last_error", ""), body.get("loads", 0))
 
     def _push(self, name: str, url: str, weights: WeightVersion) -> None:
         try:

@@ -50,6 +50,7 @@ class WeightState:
     """What the control plane and the worker loop share, under one lock."""
 
     loaded: int = 0
+    loads: int = 0  # versions loaded since the process started
     desired: WeightVersion | None = None
     last_error: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,6 +102,7 @@ class Generator:
         self.metrics.weight_version.set(desired.version)
         with self.weights.lock:
             self.weights.loaded = desired.version
+            self.weights.loads += 1
             self.weights.last_error = ""
         log.info("loaded weight version %d in %.2fs", desired.version, time.perf_counter() - start)
 
@@ -236,6 +238,7 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
             desired = gen.weights.desired.version if gen.weights.desired else None
             return {
                 "loaded_version": gen.weights.loaded,
+                "loads": gen.weights.loads,
                 "desired_version": desired,
                 "last_error": gen.weights.last_error,
             }

@@ -25,6 +25,7 @@ import argparse
 import base64
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -74,6 +75,7 @@ _KINDS = {
 HTTP_TIMEOUT_S = 2.0
 STATUS_INTERVAL_S = 2.0  # how often each run's pods and trainer are looked at and its status written
 WEIGHT_POLL_S = 0.1  # how often each run's published weight version is checked
+FINAL_SYNC_S = 30.0  # how long a finished run waits for its generators to load the final weights
 CONFIG_ENV = "REINFORCE_OPERATOR_CONFIG"  # path of the operator's configuration file (OperatorConfig YAML)
 
 
@@ -177,6 +179,8 @@ class RunMemory:
     # set by the weight rollout loop, read by the status pass
     published: int | None = None
     loaded: list[GeneratorWeights] = field(default_factory=list)
+    # when the last step's weights were first seen published (the generators get FINAL_SYNC_S to load them)
+    final_published_at: float | None = None
 
     def close(self) -> None:
         if self.reconciler is not None:
@@ -220,11 +224,13 @@ def with_transition_times(new: list[dict], old: list[dict]) -> list[dict]:
 
 
 def phase_of(
-    spec: ReinforceRunSpec, pods: list[PodState], published: int | None, finished_before: bool
+    spec: ReinforceRunSpec, pods: list[PodState], published: int | None, finished_before: bool, final_synced: bool
 ) -> tuple[str, str, str]:
-    """(phase, reason, message) from what is observed."""
+    """(phase, reason, message) from what is observed. final_synced: every ready generator has the last step's
+    weights, or FINAL_SYNC_S passed since they were published (the run ends with its generators on its final
+    policy, but a generator that refuses them does not keep it from ending)."""
     steps = spec.training.steps
-    if finished_before or (published is not None and published >= steps):
+    if finished_before or (published is not None and published >= steps and final_synced):
         return "Succeeded", "Finished", f"trained all {steps} steps"
     crashing = [p for p in pods if p.restarts > spec.restart.max_restarts]
     if crashing:
@@ -343,9 +349,15 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
             trainer_metrics(f"http://{trainer_0.ip}:{state.config.ports.trainer_metrics}/metrics")
         )
     finished = status.get("phase") == "Succeeded"
-    phase, reason, message = phase_of(run.spec, pods, published, finished)
     versions = {g.name: g.loaded_version for g in loaded}
+    loads = {g.name: g.loads for g in loaded}
     lagging = [g.name for g in generators if g.ready and published is not None and versions.get(g.name) != published]
+    if published is not None and published >= run.spec.training.steps and memory.final_published_at is None:
+        memory.final_published_at = time.monotonic()
+    final_synced = memory.final_published_at is not None and (
+        not lagging or time.monotonic() - memory.final_published_at > FINAL_SYNC_S
+    )
+    phase, reason, message = phase_of(run.spec, pods, published, finished, final_synced)
     generation = conditions[0]["observedGeneration"]
     conditions.append(condition("Ready", phase == "Running", reason, message, generation))
     in_sync = f"every ready generator has version {published}" if not lagging else f"behind: {', '.join(lagging)}"
@@ -356,7 +368,10 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
         phase=phase,
         conditions=with_transition_times(conditions, status.get("conditions", [])),
         generatorsReady=f"{_ready(pods, 'generator')}/{run.replicas(run.spec.generation.num_generators)}",
-        generators=[{"name": g.name, "ready": g.ready, "loadedVersion": versions.get(g.name)} for g in generators],
+        generators=[
+            {"name": g.name, "ready": g.ready, "loadedVersion": versions.get(g.name), "weightLoads": loads.get(g.name)}
+            for g in generators
+        ],
         publishedWeightVersion=published,
         step=int(memory.last_metrics.get("step", published or 0)),
         reward=memory.last_metrics.get("reward"),
