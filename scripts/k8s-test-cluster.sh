@@ -3,6 +3,8 @@
 #
 # Usage: scripts/k8s-test-cluster.sh     # prints e.g. /root/.cache/reinforce-k8s/bin
 #        REINFORCE_K8S_CACHE=/some/dir scripts/k8s-test-cluster.sh
+#        scripts/k8s-test-cluster.sh --node  # also kube-scheduler, kubelet and a static pause binary (or
+#                                            # REINFORCE_K8S_NODE=1), for scripts/k8s-single-node.sh
 #
 # Debian ships no Kubernetes binaries, but its `kubernetes` source package (1.20.2, vendored dependencies
 # included) builds with Debian's golang-go: about 6-8 minutes on 2 cores the first time, 2 minutes with a warm
@@ -19,6 +21,12 @@ BIN="$CACHE/bin"
 COMPONENTS=(kube-apiserver kube-controller-manager)
 # Bump when the recipe changes so that cached binaries built by an older recipe are rebuilt.
 RECIPE=1
+# --node: the node's components too. They are built only when asked for and recorded by their own recipe
+# number, so the default build (and its output) stays as it was.
+NODE_COMPONENTS=(kube-scheduler kubelet)
+NODE_RECIPE=1
+NODE=0
+[ "${1:-}" != "--node" ] && [ "${REINFORCE_K8S_NODE:-0}" != "1" ] || NODE=1
 # make, rsync and jq: what the source package builds with (its Build-Depends); openssl: the tests' certificates.
 APT_PACKAGES=(golang-go etcd-server dpkg-dev golang-github-modern-go-reflect2-dev make rsync jq openssl ca-certificates)
 
@@ -43,6 +51,12 @@ built() {
     local c
     for c in "${COMPONENTS[@]}"; do [ -x "$BIN/$c" ] || return 1; done
     [ "$(cat "$BIN/.recipe" 2>/dev/null)" = "$RECIPE" ]
+}
+
+node_built() {
+    local c
+    for c in "${NODE_COMPONENTS[@]}" pause; do [ -x "$BIN/$c" ] || return 1; done
+    [ "$(cat "$BIN/.node-recipe" 2>/dev/null)" = "$NODE_RECIPE" ]
 }
 
 # deb-src lines for the machine's own Debian archives (those serving its release), written to our own sources
@@ -109,8 +123,25 @@ replace_reflect2() {
     find "$src" -maxdepth 1 -type f -name '*.s' -exec cp {} "$tree/vendor/github.com/modern-go/reflect2/" \;
 }
 
+# This machine class lacks CAP_SYS_RESOURCE: no process may lower an oom_score_adj below 0, and runc then fails
+# every pod sandbox that asks for one ("can't get final child's PID from pipe: EOF"). dockershim gives sandboxes
+# -998 and the kubelet gives Guaranteed and critical pods -997, both constants: make them 0. Only the kubelet
+# imports these packages, so kube-apiserver and kube-controller-manager are unchanged by it.
+patch_node_oom_scores() {
+    local tree="$1"
+    sed -i 's/^\(\s*defaultSandboxOOMAdj int = \)-998$/\10/' "$tree/pkg/kubelet/dockershim/docker_sandbox.go"
+    sed -i 's/^\(\s*guaranteedOOMScoreAdj int = \)-997$/\10/' "$tree/pkg/kubelet/qos/policy.go"
+    if ! grep -Eq '^\s*defaultSandboxOOMAdj int = 0$' "$tree/pkg/kubelet/dockershim/docker_sandbox.go" ||
+        ! grep -Eq '^\s*guaranteedOOMScoreAdj int = 0$' "$tree/pkg/kubelet/qos/policy.go"; then
+        log "the OOM score constants moved in this source tree: cannot patch them"
+        exit 1
+    fi
+}
+
 build() {
     local tree="$1" c
+    shift
+    local COMPONENTS=("$@")  # what to build this time (a subset when only the node's components are missing)
     log "building ${COMPONENTS[*]} (about 6 minutes on 2 cores; Go's build cache: $CACHE/go-build)"
     # Upstream's make, as Debian's rules run it: it generates the OpenAPI definitions the tarball lacks and
     # stamps the release version (v1.20.2, from the archive) into the binaries. Kubernetes 1.20 builds in
@@ -122,9 +153,21 @@ build() {
     (cd "$tree" && env -u GOFLAGS GO111MODULE=off GOPROXY=off make WHAT="$what" GOLDFLAGS="-s -w" >&2)
     rm -rf "$CACHE/out" && mkdir -p "$CACHE/out"
     for c in "${COMPONENTS[@]}"; do cp "$tree/_output/bin/$c" "$CACHE/out/$c"; done
-    # Swap the finished binaries in at once, so an interrupted build never leaves a half-filled bin folder.
-    echo "$RECIPE" >"$CACHE/out/.recipe"
-    rm -rf "$BIN" && mv "$CACHE/out" "$BIN"
+    if [ "$NODE" = 1 ]; then
+        # The pod sandbox image's one binary, from the same tree; k8s-single-node.sh `docker import`s it.
+        gcc -Os -Wall -static -DVERSION=v1.20-reinforce -o "$CACHE/out/pause" "$tree/build/pause/linux/pause.c"
+        echo "$NODE_RECIPE" >"$CACHE/out/.node-recipe"
+    fi
+    if [ "${COMPONENTS[0]}" = kube-apiserver ]; then
+        # Swap the finished binaries in at once, so an interrupted build never leaves a half-filled bin folder.
+        echo "$RECIPE" >"$CACHE/out/.recipe"
+        rm -rf "$BIN" && mv "$CACHE/out" "$BIN"
+    else
+        # Only the node's files: rename each into place (atomic), leaving the control plane's binaries, which
+        # a test session may be starting right now, untouched. The recipe marker goes last.
+        for c in "${NODE_COMPONENTS[@]}" pause .node-recipe; do mv -f "$CACHE/out/$c" "$BIN/$c"; done
+        rm -rf "$CACHE/out"
+    fi
     # The unpacked tree (~0.8 GB) is not needed any more; Go's build cache stays for the next rebuild.
     rm -rf "$CACHE/src"
 }
@@ -133,12 +176,17 @@ main() {
     mkdir -p "$CACHE"
     exec 9>"$CACHE/.lock"
     flock 9
+    [ "$NODE" = 0 ] || APT_PACKAGES+=(gcc libc6-dev)  # the static pause binary
     install_apt_packages
-    if ! built; then
+    local wanted=()
+    built || wanted+=("${COMPONENTS[@]}")
+    [ "$NODE" = 0 ] || node_built || wanted+=("${NODE_COMPONENTS[@]}")
+    if [ ${#wanted[@]} -gt 0 ]; then
         local start=$SECONDS tree
         tree="$(fetch_source)"
         replace_reflect2 "$tree"
-        build "$tree"
+        [ "$NODE" = 0 ] || patch_node_oom_scores "$tree"
+        build "$tree" "${wanted[@]}"
         log "built in $((SECONDS - start)) s"
     fi
     echo "$BIN"
