@@ -76,6 +76,10 @@ class ChartValues(_Values):
         description="host:port of the API server for an operator that cannot reach the `kubernetes` Service "
         "(no kube-proxy), e.g. 127.0.0.1:6443; empty: the in-cluster default.",
     )
+    healthPort: int = Field(
+        8080, ge=1, le=65535,
+        description="Port of the operator's liveness endpoint; with hostNetwork it must differ from the runs' ports.",
+    )  # fmt: skip
     operatorConfig: OperatorConfig = Field(
         default_factory=OperatorConfig,
         description="The operator's configuration: images, ports and pod defaults of the runs' components.",
