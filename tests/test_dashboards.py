@@ -9,18 +9,23 @@ must be exported by a service. There is no Grafana server to be had: its part is
 from __future__ import annotations
 
 import json
-import math
-import re
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
-from conftest import free_port
+from promserver import (
+    SYNTHETIC,
+    Prometheus,
+    alert_queries,
+    assert_every_dashboard_query_answers,
+    expand,
+    metric_names,
+    panel_queries,
+)
 
 from reinforce.core.dashboards import (
     ALERTS,
@@ -30,10 +35,7 @@ from reinforce.core.dashboards import (
     COMPONENT_TRAINER,
     DASHBOARDS,
     DASHBOARDS_DIR,
-    RATE_INTERVAL,
-    RUN_VARIABLE,
     Triton,
-    dashboard_json,
     generated_files,
 )
 from reinforce.core.metrics import STEP_METRICS, GeneratorMetrics, TrainerMetrics, prometheus_name
@@ -41,40 +43,7 @@ from reinforce.supervisor.main import PROMETHEUS_TARGETS
 from runs import start, wait_for_step, write_spec
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 RULES_TEST = ALERTS_FILE.with_name("reinforce-rules.test.yaml")
-# What Grafana would put in for its variables when the tiny run is selected (scrapes every second here).
-GRAFANA_VARIABLES = {RATE_INTERVAL: "10s", RUN_VARIABLE: "tiny"}
-# Series Prometheus makes itself about each target, not exported by any service.
-SYNTHETIC = {"up"}
-
-
-def expand(expr: str) -> str:
-    for variable, value in GRAFANA_VARIABLES.items():
-        expr = expr.replace(variable, value)
-    return expr
-
-
-def panel_queries() -> list[tuple[str, str, str]]:
-    """(dashboard file, panel title, PromQL) of every query of every dashboard, as written to the JSON."""
-    return [
-        (d.file, p["title"], t["expr"]) for d in DASHBOARDS for p in dashboard_json(d)["panels"] for t in p["targets"]
-    ]
-
-
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                 "offset", "inf", "nan"}  # fmt: skip
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects: identifiers that are not functions, keywords, label names
-    (inside {...} or the label lists of by/on/...), strings or durations."""
-    expr = re.sub(r'"[^"]*"', "", expr)  # strings
-    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)  # label matchers, range durations
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)  # label lists
-    expr = re.sub(r"\boffset\s+\w+", " ", expr)
-    names = set(re.findall(r"\b([a-zA-Z_:][\w:]*)\b(?!\s*\()", expr))
-    return {n for n in names if n.lower() not in _PROMQL_WORDS and not n[0].isdigit()}
 
 
 def known_metric_names() -> set[str]:
@@ -83,10 +52,6 @@ def known_metric_names() -> set[str]:
     for registry in (TrainerMetrics(jsonl_path=None).registry, GeneratorMetrics().registry):
         names |= {s.name for family in registry.collect() for s in family.samples}
     return names | {v for k, v in vars(Triton).items() if k.isupper()}
-
-
-def alert_queries() -> list[tuple[str, str]]:
-    return [(a.name, a.expr) for a in ALERTS]
 
 
 # --- the files ----------------------------------------------------------------------------------------------------
@@ -141,7 +106,7 @@ def test_metric_name_extraction():
 
 def test_panel_queries_parse(tmp_path):
     """promtool parses each panel's PromQL (as a recording rule) with Grafana's variables filled in."""
-    rules = [{"record": f"panel_{i}", "expr": expand(e)} for i, (_, _, e) in enumerate(panel_queries())]
+    rules = [{"record": f"panel_{i}", "expr": expand(e, "tiny")} for i, (_, _, e) in enumerate(panel_queries())]
     path = tmp_path / "panels.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
     result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
@@ -171,52 +136,12 @@ def test_each_alert_fires_in_the_rule_unit_tests():
 # --- against a live run -------------------------------------------------------------------------------------------
 
 
-class Prometheus:
-    """Debian's prometheus on a free loopback port, scraping the targets file every second, with the alert rules."""
-
-    def __init__(self, folder: Path, targets: Path) -> None:
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(ALERTS_FILE)],
-            "scrape_configs": [
-                {"job_name": "reinforce", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}
-            ],
-        }
-        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        argv = [PROMETHEUS, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
-                f"--web.listen-address={self.url.removeprefix('http://')}"]  # fmt: skip
-        self.log = folder / "prometheus.log"
-        with self.log.open("wb") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        started = time.monotonic()
-        while not self._ready():
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            assert time.monotonic() - started < 30, "prometheus not ready in 30 s"
-            time.sleep(0.1)
-        self.start_s = time.monotonic() - started
-
-    def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def api(self, path: str, **params: object) -> dict | list:
-        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
-        assert answer["status"] == "success", answer
-        return answer["data"]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-
-
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # Prometheus watches the folder of the targets file, which the supervisor writes later
-    server = Prometheus(tmp_path, run_dir / PROMETHEUS_TARGETS)
+    targets = {"files": [str(run_dir / PROMETHEUS_TARGETS)], "refresh_interval": "1s"}
+    server = Prometheus(tmp_path, [{"job_name": "reinforce", "file_sd_configs": [targets]}])
     yield server
     server.stop()
 
@@ -244,22 +169,8 @@ def test_every_panel_query_returns_data_from_a_live_run(tmp_path, prometheus):
     components = {r["metric"]["component"]: r["value"][1] for r in up}
     assert components == {COMPONENT_REWARD: "1", COMPONENT_GENERATOR: "1", COMPONENT_TRAINER: "1"}
 
-    empty = []
-    for file, title, expr in panel_queries():
-        result = prometheus.api("query", query=expand(expr), time=at)["result"]
-        if not any(math.isfinite(float(r["value"][1])) for r in result):
-            empty.append(f"{file}: {title}: {expand(expr)} -> {result}")
-    assert not empty, "queries without a finite value:\n" + "\n".join(empty)
-    for name, expr in alert_queries():  # a healthy run: no alert's condition holds
-        assert prometheus.api("query", query=expr, time=at)["result"] == [], name
-
-    names = {n for _, _, e in panel_queries() for n in metric_names(e)}
-    names |= {n for _, e in alert_queries() for n in metric_names(e)} - SYNTHETIC
-    for name in sorted(names):
-        series = prometheus.api("series", **{"match[]": f'{name}{{run="tiny"}}', "start": at - 60, "end": at})
-        assert {s["component"] for s in series} & {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD}, name
-
+    names = assert_every_dashboard_query_answers(prometheus, "tiny", at)
     rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert {r["name"] for r in rules} == {a.name for a in ALERTS}
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
-    print(f"{len(panel_queries())} panel queries and {len(names)} metric names checked")
+    print(f"{len(panel_queries())} panel queries and {names} metric names checked")

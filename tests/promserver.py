@@ -1,0 +1,131 @@
+"""A real Prometheus (Debian's) for the tests, and the checks every dashboard query must pass against it.
+
+Used by tests/test_dashboards.py (scraping a local run through the supervisor's targets file) and
+tests/test_cluster_e2e.py (scraping the pods of a single-node cluster through the API server).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+from conftest import free_port
+
+from reinforce.core.dashboards import (
+    ALERTS,
+    ALERTS_FILE,
+    COMPONENT_GENERATOR,
+    COMPONENT_REWARD,
+    COMPONENT_TRAINER,
+    DASHBOARDS,
+    RATE_INTERVAL,
+    RUN_VARIABLE,
+    dashboard_json,
+)
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+# Series Prometheus makes itself about each target, not exported by any service.
+SYNTHETIC = {"up"}
+COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD}
+
+
+class Prometheus:
+    """Debian's prometheus on a free loopback port, scraping every second, with the alert rules loaded."""
+
+    def __init__(self, folder: Path, scrape_configs: list[dict]) -> None:
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ALERTS_FILE)],
+            "scrape_configs": scrape_configs,
+        }
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        argv = [PROMETHEUS, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}"]  # fmt: skip
+        self.log = folder / "prometheus.log"
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        started = time.monotonic()
+        while not self._ready():
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() - started < 30, "prometheus not ready in 30 s"
+            time.sleep(0.1)
+        self.start_s = time.monotonic() - started
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def api(self, path: str, **params: object) -> dict | list:
+        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        return self.api("query", query=expr, time=at)["result"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+# --- the dashboards' queries --------------------------------------------------------------------------------------
+
+
+def expand(expr: str, run: str) -> str:
+    """What Grafana sends with the run selected (rates over 10 s: the scrapes are 1 s apart)."""
+    return expr.replace(RATE_INTERVAL, "10s").replace(RUN_VARIABLE, run)
+
+
+def panel_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, PromQL) of every query of every dashboard, as written to the JSON."""
+    return [
+        (d.file, p["title"], t["expr"]) for d in DASHBOARDS for p in dashboard_json(d)["panels"] for t in p["targets"]
+    ]
+
+
+def alert_queries() -> list[tuple[str, str]]:
+    return [(a.name, a.expr) for a in ALERTS]
+
+
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                 "offset", "inf", "nan"}  # fmt: skip
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are not functions, keywords, label names
+    (inside {...} or the label lists of by/on/...), strings or durations."""
+    expr = re.sub(r'"[^"]*"', "", expr)  # strings
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)  # label matchers, range durations
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)  # label lists
+    expr = re.sub(r"\boffset\s+\w+", " ", expr)
+    names = set(re.findall(r"\b([a-zA-Z_:][\w:]*)\b(?!\s*\()", expr))
+    return {n for n in names if n.lower() not in _PROMQL_WORDS and not n[0].isdigit()}
+
+
+def assert_every_dashboard_query_answers(prometheus: Prometheus, run: str, at: float) -> int:
+    """At time `at` of a healthy running run: every panel query has a finite value, no alert's condition holds,
+    and every metric a dashboard or alert names has a series from one of the run's components. Returns the
+    number of metric names checked."""
+    empty = []
+    for file, title, expr in panel_queries():
+        result = prometheus.query(expand(expr, run), at)
+        if not any(math.isfinite(float(r["value"][1])) for r in result):
+            empty.append(f"{file}: {title}: {expand(expr, run)} -> {result}")
+    assert not empty, "queries without a finite value:\n" + "\n".join(empty)
+    for name, expr in alert_queries():  # a healthy run: no alert's condition holds
+        assert not [r for r in prometheus.query(expr, at) if r["metric"].get("run") == run], name
+    names = {n for _, _, e in panel_queries() for n in metric_names(e)}
+    names |= {n for _, e in alert_queries() for n in metric_names(e)} - SYNTHETIC
+    for name in sorted(names):
+        series = prometheus.api("series", **{"match[]": f'{name}{{run="{run}"}}', "start": at - 60, "end": at})
+        assert {s["component"] for s in series} & COMPONENTS, name
+    return len(names)
