@@ -21,6 +21,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -39,6 +40,7 @@ from reinforce.core import crd
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "scripts" / "k8s-test-cluster.sh"
+SINGLE_NODE_SCRIPT = REPO / "scripts" / "k8s-single-node.sh"
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "reinforce-test-admin"
@@ -406,3 +408,53 @@ def operator(namespace: str) -> Iterator[KopfRunner]:
     assert runner.exit_code == 0, runner.output
     assert runner.exception is None, runner.output
     assert "forbidden" not in runner.output.lower(), runner.output  # the RBAC of OPERATOR_RULES sufficed
+
+
+# --- a whole single-node cluster (scripts/k8s-single-node.sh) ----------------------------------------------------
+
+
+def cgroup_hierarchies() -> list[Path]:
+    hierarchies = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, target, fstype, *_ = line.split()
+        if fstype in ("cgroup", "cgroup2"):
+            hierarchies.append(Path(target))
+    return hierarchies
+
+
+def single_node_skip_reason() -> str | None:
+    """Why scripts/k8s-single-node.sh cannot run here (None: it can)."""
+    if sys.platform != "linux":
+        return "needs Linux"
+    if os.geteuid() != 0:
+        return "needs root: the kubelet creates cgroups, mounts volumes and sets sysctls"
+    hierarchies = cgroup_hierarchies()
+    if not hierarchies:
+        return "no cgroup file system is mounted"
+    if any((h / "kubepods").exists() for h in hierarchies):
+        return "a kubelet's cgroups (kubepods) exist already: another cluster runs on this machine"
+    probe = hierarchies[0] / f"reinforce-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as err:
+        return f"cannot create cgroups here ({err})"
+    if not shutil.which("apt-get"):  # the scripts install golang-go, etcd-server, docker.io, gcc... with it
+        missing = [tool for tool in ("dockerd", "go", "etcd", "gcc", "jq", "curl", "openssl") if not shutil.which(tool)]
+        if missing:
+            return f"missing {', '.join(missing)}, and no apt-get to install them"
+    missing = [tool for tool in ("setsid", "flock", "findmnt") if not shutil.which(tool)]
+    if missing:
+        return f"missing {', '.join(missing)} (util-linux)"
+    return None
+
+
+def single_node(command: str, state: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """scripts/k8s-single-node.sh COMMAND with its state in `state`, its output printed."""
+    env = {**os.environ, "REINFORCE_K8S_STATE": str(state)}
+    result = subprocess.run(
+        ["bash", str(SINGLE_NODE_SCRIPT), command],
+        env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    print(f"$ k8s-single-node.sh {command} (exit {result.returncode})\n{result.stdout}{result.stderr}")
+    return result

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Callable
@@ -20,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from k8s import cgroup_hierarchies, single_node, single_node_skip_reason
 from kubernetes import client, config
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "k8s-single-node.sh"
 UP_TIMEOUT_S = 3600  # a cold build of kube-scheduler and kubelet on 2 cores is part of the first `up`
 DOWN_TIMEOUT_S = 300
 # What the script records and restores (kept in step with SYSCTLS, FIXED_PATHS and SHARED_DIRS there).
@@ -71,41 +68,6 @@ int main(int argc, char **argv) {
 HELLO_IMAGE = "reinforce-test/hello:1"
 
 
-def _cgroup_hierarchies() -> list[Path]:
-    hierarchies = []
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        _, target, fstype, *_ = line.split()
-        if fstype in ("cgroup", "cgroup2"):
-            hierarchies.append(Path(target))
-    return hierarchies
-
-
-def _skip_reason() -> str | None:
-    if sys.platform != "linux":
-        return "needs Linux"
-    if os.geteuid() != 0:
-        return "needs root: the kubelet creates cgroups, mounts volumes and sets sysctls"
-    hierarchies = _cgroup_hierarchies()
-    if not hierarchies:
-        return "no cgroup file system is mounted"
-    if any((h / "kubepods").exists() for h in hierarchies):
-        return "a kubelet's cgroups (kubepods) exist already: another cluster runs on this machine"
-    probe = hierarchies[0] / f"reinforce-probe-{os.getpid()}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as err:
-        return f"cannot create cgroups here ({err})"
-    if not shutil.which("apt-get"):  # the scripts install golang-go, etcd-server, docker.io, gcc... with it
-        missing = [tool for tool in ("dockerd", "go", "etcd", "gcc", "jq", "curl", "openssl") if not shutil.which(tool)]
-        if missing:
-            return f"missing {', '.join(missing)}, and no apt-get to install them"
-    missing = [tool for tool in ("setsid", "flock", "findmnt") if not shutil.which(tool)]
-    if missing:
-        return f"missing {', '.join(missing)} (util-linux)"
-    return None
-
-
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
@@ -126,15 +88,6 @@ class Machine:
                 sysctls[name] = path.read_text().strip()
         kubelet_paths = {p for p in KUBELET_PATHS if os.path.lexists(p)}
         return cls(sysctls, kubelet_paths, {d for d in SHARED_DIRS if os.path.lexists(d)})
-
-
-def _script(command: str, state: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "REINFORCE_K8S_STATE": str(state)}
-    result = subprocess.run(
-        ["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
-    print(f"$ k8s-single-node.sh {command} (exit {result.returncode})\n{result.stdout}{result.stderr}")
-    return result
 
 
 def _wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object:
@@ -191,7 +144,7 @@ def _hello_image(state: Path, workdir: Path) -> None:
 
 
 def _exercise_cluster(state: Path, workdir: Path) -> None:
-    status = _script("status", state, 60)
+    status = single_node("status", state, 60)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "node: 127.0.0.1 Ready" in status.stdout
     kubeconfig = state / "admin.kubeconfig"
@@ -258,7 +211,7 @@ def _exercise_cluster(state: Path, workdir: Path) -> None:
 
 def test_up_runs_pods_and_down_leaves_the_machine_as_before(tmp_path: Path) -> None:
     # Checked here, not at collection: the cgroup probe writes, and a deselected test must not.
-    if reason := _skip_reason():
+    if reason := single_node_skip_reason():
         pytest.skip(reason)
     before = Machine.read()
     # A state folder of its own: a developer's cluster in the default /run/reinforce-k8s is never touched (and the
@@ -266,7 +219,7 @@ def test_up_runs_pods_and_down_leaves_the_machine_as_before(tmp_path: Path) -> N
     state = Path("/run") / f"reinforce-k8s-test-{secrets.token_hex(4)}"
     recorded_pids: dict[str, tuple[int, str]] = {}
     try:
-        up = _script("up", state, UP_TIMEOUT_S)
+        up = single_node("up", state, UP_TIMEOUT_S)
         for pid_file in (state / "pids").glob("*"):
             pid, start = pid_file.read_text().split()
             recorded_pids[pid_file.name] = (int(pid), start)
@@ -282,7 +235,7 @@ def test_up_runs_pods_and_down_leaves_the_machine_as_before(tmp_path: Path) -> N
         _exercise_cluster(state, tmp_path)
     finally:
         # Also after a failed `up`: down must clean up whatever it started.
-        down = _script("down", state, DOWN_TIMEOUT_S)
+        down = single_node("down", state, DOWN_TIMEOUT_S)
 
     assert down.returncode == 0, down.stdout + down.stderr
     assert not state.exists()
@@ -294,7 +247,7 @@ def test_up_runs_pods_and_down_leaves_the_machine_as_before(tmp_path: Path) -> N
     assert after.kubelet_paths == before.kubelet_paths
     appeared = after.shared_dirs - before.shared_dirs
     assert not [d for d in appeared if not any(Path(d).iterdir())], f"empty folders left behind: {appeared}"
-    assert not [h for h in _cgroup_hierarchies() if (h / "kubepods").exists()]
+    assert not [h for h in cgroup_hierarchies() if (h / "kubepods").exists()]
     assert not _mounts_under(state, Path("/var/lib/kubelet"))
-    down_again = _script("down", state, DOWN_TIMEOUT_S)  # idempotent
+    down_again = single_node("down", state, DOWN_TIMEOUT_S)  # idempotent
     assert down_again.returncode == 0, down_again.stderr
