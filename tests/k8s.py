@@ -41,6 +41,9 @@ from reinforce.core import crd
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "scripts" / "k8s-test-cluster.sh"
 SINGLE_NODE_SCRIPT = REPO / "scripts" / "k8s-single-node.sh"
+BIN = Path(sys.executable).parent  # scripts/install_system.py puts helm and kubectl beside python
+HELM = shutil.which("helm", path=str(BIN)) or "helm"
+KUBECTL = shutil.which("kubectl", path=str(BIN)) or "kubectl"
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "reinforce-test-admin"

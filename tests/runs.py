@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -74,3 +75,11 @@ def redis_pid(run_dir: Path) -> int:
     found = subprocess.run(["pgrep", "-f", f"redis-server 127.0.0.1:{port}"], capture_output=True, text=True)
     [pid] = found.stdout.split()
     return int(pid)
+
+
+def assert_each_step_trained_once(run_dir: Path, steps: int, prompts_per_step: int = 8) -> None:
+    """The audit trail: steps 1..N, each on its own N prompts, and no prompt id twice."""
+    rows = [json.loads(line) for line in RunPaths(run_dir).trained_groups.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))

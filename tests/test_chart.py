@@ -5,9 +5,7 @@ kubectl."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from k8s import API, KubeCluster, example_run, install_crd, kube_apiserver, operator, wait_for  # noqa: F401
+from k8s import API, HELM, KUBECTL, KubeCluster, example_run, install_crd, kube_apiserver, operator, wait_for  # noqa: F401
 from kubernetes import client
 
 from reinforce.core import chart, crd
@@ -23,9 +21,6 @@ from reinforce.core.chart import CHART, ChartValues
 from reinforce.core.dashboards import ALERTS, COMPONENT_LABEL, INSTANCE_LABEL, RUN_LABEL
 from reinforce.core.operator_deploy import OPERATOR_RULES
 
-BIN = Path(sys.executable).parent  # scripts/install_system.py puts helm and kubectl beside python
-HELM = shutil.which("helm", path=str(BIN)) or "helm"
-KUBECTL = shutil.which("kubectl", path=str(BIN)) or "kubectl"
 # The newest schemas kubernetes-validate ships that are closest to the test server's 1.20; every kind the
 # chart renders is served, with the same schema, by both.
 VALIDATE_VERSION = "1.25.0"

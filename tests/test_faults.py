@@ -1,7 +1,6 @@
 """Nothing lost when anything dies: each component of a tiny run is killed mid-run (SIGKILL) and the run
 still ends with every step trained exactly once; a killed trainer resumes to bit-identical weights."""
 
-import json
 import os
 import random
 import signal
@@ -13,6 +12,7 @@ from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
 from runs import (
     BASELINE_TRAINING,
+    assert_each_step_trained_once,
     max_weight_difference,
     redis_pid,
     reinforce,
@@ -25,14 +25,6 @@ from runs import (
 pytestmark = pytest.mark.slow
 STEPS = BASELINE_TRAINING["steps"]
 SHORT = BASELINE_TRAINING
-
-
-def assert_each_step_trained_once(run_dir: Path, prompts_per_step: int = 8) -> None:
-    """The audit trail: steps 1..N, each on its own N prompts, and no prompt id twice."""
-    rows = [json.loads(line) for line in RunPaths(run_dir).trained_groups.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for r in rows:
-        assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))
 
 
 def kill_mid_run(proc, run_dir: Path, pid_of, step: int | None = None) -> int:
@@ -55,7 +47,7 @@ def test_killed_trainer_resumes_to_identical_weights(tmp_path, tiny_baseline):
     assert result.returncode == 0, f"killed after step {killed_at}: {result.stderr[-3000:]}"
     diff = max_weight_difference(tiny_baseline, run_dir)
     assert diff < 1e-6, f"killed after step {killed_at}: weights differ by {diff}"
-    assert_each_step_trained_once(run_dir)
+    assert_each_step_trained_once(run_dir, STEPS)
     rewards = [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(run_dir).metrics)]
     assert rewards == pytest.approx(
         [r["train_rollouts/rewards"] for r in read_metrics(RunPaths(tiny_baseline).metrics)]
@@ -72,7 +64,7 @@ def test_killed_trainer_is_restarted_and_resumes_on_its_own(tmp_path, tiny_basel
     assert proc.returncode == 0, stderr[-3000:]
     assert "component trainer exited with code -9; restart 1 of 3" in stderr
     assert max_weight_difference(tiny_baseline, run_dir) < 1e-6
-    assert_each_step_trained_once(run_dir)
+    assert_each_step_trained_once(run_dir, STEPS)
 
 
 def test_killed_generator_prompts_are_reclaimed_by_the_other(tmp_path):
@@ -87,7 +79,7 @@ def test_killed_generator_prompts_are_reclaimed_by_the_other(tmp_path):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "reclaimed" in (RunPaths(run_dir).logs / "generator-0.log").read_text()
-    assert_each_step_trained_once(run_dir)
+    assert_each_step_trained_once(run_dir, STEPS)
 
 
 def test_killed_reward_server_is_restarted_and_generators_retry(tmp_path):
@@ -97,7 +89,7 @@ def test_killed_reward_server_is_restarted_and_generators_retry(tmp_path):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "component reward exited with code -9; restart 1 of 3" in stderr
-    assert_each_step_trained_once(run_dir)
+    assert_each_step_trained_once(run_dir, STEPS)
 
 
 def test_killed_redis_restarts_from_its_append_only_file(tmp_path):
@@ -107,4 +99,4 @@ def test_killed_redis_restarts_from_its_append_only_file(tmp_path):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "component redis exited with code -9; restart 1 of 3" in stderr
-    assert_each_step_trained_once(run_dir)
+    assert_each_step_trained_once(run_dir, STEPS)
