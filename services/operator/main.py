@@ -296,8 +296,12 @@ def _api_client() -> client.ApiClient:
 
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    # kopf's own readers, in the same order as _api_client, so that both act with the same credentials
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    # The same choice as _api_client, so that both act with the same credentials and server. In a pod: the
+    # kubernetes client's in-cluster reader, which honours KUBERNETES_SERVICE_HOST/PORT (the chart's `apiServer`;
+    # kopf's own service-account reader always dials kubernetes.default.svc, which needs cluster DNS).
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return kopf.login_via_client(**kwargs)
+    return kopf.login_with_kubeconfig(**kwargs)
 
 
 def _run(state: OperatorState, body: kopf.Body, spec: ReinforceRunSpec, status: dict) -> Run:
