@@ -276,7 +276,8 @@ def _http_probe(path: str, port: int, period_s: int = 5) -> dict[str, Any]:
 def _python_service(module: str, **flags: object) -> list[str]:
     command = ["python", "-m", module, "--spec", SPEC_FILE]
     for flag, value in flags.items():
-        command += [f"--{flag.replace('_', '-')}", str(value)]
+        option = f"--{flag.replace('_', '-')}"
+        command += [option] if value is True else [option, str(value)]
     return command
 
 
@@ -416,6 +417,7 @@ def trainer_command(run: Run) -> list[str]:
         metrics_port=p.trainer_metrics,
         weights_port=p.trainer_weights,
         advertise_host=trainer_pod_address(run, 0),
+        stay_up=True,  # a StatefulSet restarts a container that exits; the operator scales the run to zero instead
     )
     ranks = run.spec.training.num_ranks
     if ranks == 1:

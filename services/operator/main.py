@@ -377,7 +377,8 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
             for g in generators
         ],
         publishedWeightVersion=published,
-        step=int(memory.last_metrics.get("step", published or 0)),
+        # version v is published just before step v's metrics: a pass between the two must not show step v - 1
+        step=max(int(memory.last_metrics.get("step", 0)), published or 0),
         reward=memory.last_metrics.get("reward"),
         kl=memory.last_metrics.get("kl"),
     )

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -504,6 +505,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--advertise-host", default="127.0.0.1", help="host generators use to reach the weight endpoint"
     )
+    parser.add_argument(
+        "--stay-up",
+        action="store_true",
+        help="after the last step keep serving metrics and weights until SIGTERM (on Kubernetes, where a container "
+        "that exits is restarted, and generators still fetch the final weights from this one)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     ranks = Ranks.from_environment()
@@ -514,12 +521,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.metrics_port and ranks.is_main:
         start_http_server(args.metrics_port, registry=trainer.metrics.registry)
 
+    terminated = threading.Event()
+
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping after the current step", signum)
         trainer.stopping = True
+        terminated.set()
 
     signal.signal(signal.SIGTERM, stop)
     trainer.resume_if_possible()
     trainer.discard_unfinished_rollouts()
     trainer.run()
     trainer.metrics.close()
+    if args.stay_up and not trainer.stopping:
+        log.info("all %d steps trained: serving metrics and weights until SIGTERM", spec.training.steps)
+        terminated.wait()
