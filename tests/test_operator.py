@@ -62,6 +62,7 @@ KINDS = {  # what each run owns (with its own Redis)
     ("ConfigMap", "spec"),
     ("Secret", "secrets"),
     ("PersistentVolumeClaim", "data"),
+    ("PersistentVolumeClaim", "redis-data"),
     ("Service", "redis"),
     ("StatefulSet", "redis"),
     ("Service", "reward"),

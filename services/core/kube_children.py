@@ -143,7 +143,7 @@ def children(run: Run) -> list[dict[str, Any]]:
     """Every object the run owns, in the order they are applied (what others mount or call comes first)."""
     objects = [spec_config_map(run), secrets_secret(run), data_volume(run)]
     if run.spec.kubernetes.external_redis_secret is None:
-        objects += [redis_service(run), redis_stateful_set(run)]
+        objects += [redis_volume(run), redis_service(run), redis_stateful_set(run)]
     objects += [reward_service(run), reward_deployment(run), generator_deployment(run)]
     objects += [trainer_service(run), trainer_stateful_set(run)]
     return objects
@@ -189,6 +189,17 @@ def data_volume(run: Run) -> dict[str, Any]:
         "kind": "PersistentVolumeClaim",
         "metadata": run.metadata(run.child("data"), "trainer"),
         "spec": _claim_spec(run, run.spec.kubernetes.storage_size),
+    }
+
+
+def redis_volume(run: Run) -> dict[str, Any]:
+    """Redis' own claim, owned by the run like every child: a StatefulSet's volumeClaimTemplates would make a claim
+    that no owner reference ties to the run, left behind when the run is deleted (Kubernetes before 1.27)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": run.metadata(run.child("redis-data"), "redis"),
+        "spec": _claim_spec(run, run.spec.kubernetes.redis_storage_size),
     }
 
 
@@ -297,13 +308,8 @@ def redis_stateful_set(run: Run) -> dict[str, Any]:
         volumeMounts=[{"name": "data", "mountPath": DATA_DIR}],
         readinessProbe={"tcpSocket": {"port": port}, "periodSeconds": 5},
     )  # fmt: skip
-    claim = {
-        "metadata": {"name": "data", "labels": run.labels},
-        "spec": _claim_spec(run, run.spec.kubernetes.redis_storage_size),
-    }
-    stateful_set = _stateful_set(run, "redis", 1, _pod_template(run, "redis", [container], []))
-    stateful_set["spec"]["volumeClaimTemplates"] = [claim]
-    return stateful_set
+    volume = {"name": "data", "persistentVolumeClaim": {"claimName": run.child("redis-data")}}
+    return _stateful_set(run, "redis", 1, _pod_template(run, "redis", [container], [volume]))
 
 
 def reward_service(run: Run) -> dict[str, Any]:
