@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart tiny test lint proto
+.PHONY: install quickstart tiny test lint proto images compose-smoke cluster-e2e
 
 install: $(VENV)/.installed
 
@@ -30,3 +30,15 @@ lint: install
 # Regenerate services/core/records_pb2.py after editing proto/reinforce/v1/records.proto.
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto/reinforce/v1 --python_out=services/core --pyi_out=services/core records.proto
+
+# Every container image, offline: a debootstrapped Debian base, a wheelhouse, services/*/Dockerfile (root, docker.io).
+images:
+	bash scripts/build-images.sh
+
+# docker-compose.yml's stack in containers trains the tiny example to its end (tests/test_compose.py runs it too).
+compose-smoke: install
+	bash scripts/compose-smoke.sh
+
+# helm install + kubectl apply on a real single-node cluster, with pods force-deleted mid-run (part of `make test`).
+cluster-e2e: install
+	$(PY) -m pytest -s tests/test_cluster_e2e.py
