@@ -12,24 +12,29 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PROJECT="${REINFORCE_SMOKE_PROJECT:-reinforce-smoke}"
 STEPS="$(sed -n 's/^  steps: \([0-9]*\)$/\1/p' "$ROOT/examples/compose.yaml")"
 LOG="${TMPDIR:-/tmp}/$PROJECT.log"
+TIMEOUT="${REINFORCE_SMOKE_TIMEOUT:-600}"  # seconds for `docker-compose up`; the tiny run takes under a minute
 
 bash "$ROOT/scripts/build-images.sh"
 docker image inspect redis:7.0 >/dev/null 2>&1 || export REINFORCE_REDIS_IMAGE="${REINFORCE_REDIS_IMAGE:-reinforce-redis:0.1.0}"
 
-compose() { docker-compose --project-name "$PROJECT" --file "$ROOT/docker-compose.yml" "$@"; }
-trap 'compose down --volumes >/dev/null 2>&1 || true' EXIT
-compose down --volumes >/dev/null 2>&1 || true  # what an interrupted smoke run left
+COMPOSE=(docker-compose --project-name "$PROJECT" --file "$ROOT/docker-compose.yml")
+trap '"${COMPOSE[@]}" down --volumes >/dev/null 2>&1 || true' EXIT
+"${COMPOSE[@]}" down --volumes >/dev/null 2>&1 || true  # what an interrupted smoke run left
 
 start=$SECONDS
-if ! compose up --exit-code-from trainer >"$LOG" 2>&1; then
-    tail -n 40 "$LOG" >&2
-    echo "compose-smoke: the stack failed; log $LOG" >&2
+if ! timeout --signal=KILL "$TIMEOUT" "${COMPOSE[@]}" up --exit-code-from trainer >"$LOG" 2>&1; then
+    tail -n 60 "$LOG" >&2
+    # Each container's state and last health probes (KILL above left them running): what a stuck stack waits on.
+    for id in $("${COMPOSE[@]}" ps --all --quiet 2>/dev/null); do
+        docker inspect --format '{{.Name}} {{.State.Status}} exit={{.State.ExitCode}}{{if .State.Health}} health={{.State.Health.Status}}{{range .State.Health.Log}} [{{.ExitCode}}: {{.Output}}]{{end}}{{end}}' "$id" >&2 || true
+    done
+    echo "compose-smoke: the stack failed or did not finish in $TIMEOUT s; log $LOG" >&2
     exit 1
 fi
 elapsed=$((SECONDS - start))
 
 # The run folder as the trainer left it, read from its volume by the runtime image's Python.
-docker run --rm --network none --volume "${PROJECT}_run:/data:ro" reinforce-runtime:0.1.0 python - "$STEPS" "$elapsed" <<'EOF'
+docker run --rm --interactive --network none --volume "${PROJECT}_run:/data:ro" reinforce-runtime:0.1.0 python - "$STEPS" "$elapsed" <<'EOF'
 import sys
 from pathlib import Path
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -106,16 +108,16 @@ class WeightReconciler:
 # --- `reinforce rollout`: the reconciler on its own, where neither the supervisor nor the operator runs it ------
 
 
-def follow(reconciler: WeightReconciler, interval_s: float) -> None:
-    """Reconcile until interrupted, logging each generator's change of loaded version."""
+def follow(reconciler: WeightReconciler, interval_s: float, stop: threading.Event) -> None:
+    """Reconcile until `stop` is set, logging each generator's change of loaded version."""
     loaded: dict[str, int | None] = {}
-    while True:
+    while not stop.is_set():
         version, states = reconciler.reconcile_once()
         for state in states:
             if loaded.get(state.name, -1) != state.loaded_version:
                 log.info("published %s; %s has loaded %s", version, state.name, state.loaded_version)
                 loaded[state.name] = state.loaded_version
-        time.sleep(interval_s)
+        stop.wait(interval_s)
 
 
 def _generator(value: str) -> tuple[str, str]:
@@ -132,8 +134,12 @@ def _rollout(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: ${CONTROL_TOKEN_ENV} is not set (the generators' control token)")
     queue = RolloutQueue(connect(args.redis_url), args.run)
     reconciler = WeightReconciler(queue, dict(args.generator), token)
+    stop = threading.Event()
+    # Explicitly: as a container's PID 1 the default action of SIGTERM is to ignore it (docker stop would wait
+    # out its grace period and SIGKILL).
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        follow(reconciler, args.interval)
+        follow(reconciler, args.interval, stop)
     except KeyboardInterrupt:
         pass
     finally:
