@@ -22,7 +22,7 @@ trap '"${COMPOSE[@]}" down --volumes >/dev/null 2>&1 || true' EXIT
 "${COMPOSE[@]}" down --volumes >/dev/null 2>&1 || true  # what an interrupted smoke run left
 
 start=$SECONDS
-if ! timeout --signal=KILL "$TIMEOUT" "${COMPOSE[@]}" up --exit-code-from trainer >"$LOG" 2>&1; then
+if ! timeout --signal=KILL "$TIMEOUT" "${COMPOSE[@]}" up --exit-code-from trainer >"$LOG" 2>&1 </dev/null; then
     tail -n 60 "$LOG" >&2
     # Each container's state and last health probes (KILL above left them running): what a stuck stack waits on.
     for id in $("${COMPOSE[@]}" ps --all --quiet 2>/dev/null); do
