@@ -207,9 +207,9 @@ def write_pod_targets(cluster: Cluster, run: str, targets_file: Path) -> None:
     ports.generator + its ordinal.
     """
     targets = []
+    ports = {"reward": PORTS.reward_metrics, "trainer": PORTS.trainer_metrics}
     for pod in client.CoreV1Api(cluster.api).list_namespaced_pod(RUNS, label_selector=f"{RUN_LABEL}={run}").items:
         name, component = pod.metadata.name, pod.metadata.labels[COMPONENT_LABEL]
-        ports = {"reward": PORTS.reward_metrics, "trainer": PORTS.trainer_metrics}
         port = PORTS.generator + int(name.rsplit("-", 1)[1]) if component == "generator" else ports.get(component)
         if port is not None:
             labels = {"run": run, "component": component, "instance": name}
@@ -295,7 +295,6 @@ def test_pods_deleted_mid_run_lose_no_step(chart_installed: Cluster) -> None:
     final = wait_for_status(cluster, "faults", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
     assert final["publishedWeightVersion"] == STEPS
     assert_each_step_trained_once(folders["faults-data"] / "run", STEPS)
-    assert {p.metadata.labels[COMPONENT_LABEL] for p in core.list_namespaced_pod(RUNS).items} <= {"redis"} | {
-        "reward", "generator", "trainer"
-    }  # fmt: skip
+    components = {p.metadata.labels[COMPONENT_LABEL] for p in core.list_namespaced_pod(RUNS).items}
+    assert components <= {"redis", "reward", "generator", "trainer"}, components
     delete_run_and_its_children(cluster, "faults")
