@@ -32,7 +32,9 @@ VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml")"
 SERVICES=(reward generator trainer operator)
 DOCKER="${DOCKER:-$(command -v docker || echo /usr/bin/docker)}"
 
-exec 3>&2  # log lines go to the script's stderr even from commands whose output goes to a log file
+# Log lines go to the script's stderr even from commands whose output goes to a log file. Background processes are
+# started with 3>&-: a daemon holding a copy of the caller's stderr keeps the caller waiting for end of output.
+exec 3>&2
 log() { printf '[build-images %4ds] %s\n' "$SECONDS" "$*" >&3; }
 die() { log "error: $*"; exit 1; }
 timed() {  # timed WHAT COMMAND...: run it, then log how long it took
@@ -60,7 +62,7 @@ ensure_docker() {
     mkdir -p "$CACHE/dockerd"
     log "starting dockerd on /var/run/docker.sock (log $CACHE/dockerd/dockerd.log)"
     setsid dockerd --iptables=false --ip-masq=false --bridge=none --exec-opt native.cgroupdriver=cgroupfs \
-        >"$CACHE/dockerd/dockerd.log" 2>&1 </dev/null &
+        >"$CACHE/dockerd/dockerd.log" 2>&1 </dev/null 3>&- &
     echo $! >"$CACHE/dockerd/dockerd.pid"
     for _ in $(seq 60); do
         daemon_answers && { log "dockerd ready, pid $(cat "$CACHE/dockerd/dockerd.pid")"; return; }
@@ -143,7 +145,7 @@ build_wheelhouse() {
 serve_wheelhouse() {  # sets WHEELS_URL; the server stops with this script
     local port
     port="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-    "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" >/dev/null 2>&1 &
+    "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" >/dev/null 2>&1 3>&- &
     WHEELS_SERVER=$!
     trap 'kill "$WHEELS_SERVER" 2>/dev/null || true' EXIT
     WHEELS_URL="http://127.0.0.1:$port/"

@@ -188,18 +188,38 @@ def test_compose_commands_train_the_tiny_example(tmp_path):
 @needs_compose
 @pytest.mark.slow
 @pytest.mark.docker
-def test_compose_stack_in_containers_trains_the_tiny_example():
+def test_compose_stack_in_containers_trains_the_tiny_example(tmp_path):
     """`make compose-smoke`: the images built from a debootstrapped Debian, the stack up in Debian's dockerd."""
     if os.geteuid() != 0:
         pytest.skip("needs root: scripts/build-images.sh runs debootstrap and dockerd")
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "compose-smoke.sh")], capture_output=True, text=True, timeout=1800
-    )
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    # Output to files, not pipes: a daemon the script leaves running (dockerd) that kept a copy of the script's
+    # stdout or stderr would make a pipe reader wait for ever; here it is named instead.
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        result = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "compose-smoke.sh")], stdout=out, stderr=err, timeout=1800
+        )
+    assert result.returncode == 0, f"{stdout.read_text()[-3000:]}\n{stderr.read_text()[-5000:]}"
+    assert processes_holding(stdout, stderr) == [], "processes left running hold the script's output open"
     steps = yaml.safe_load((EXAMPLES / "compose.yaml").read_text())["training"]["steps"]
-    [summary] = [line for line in result.stdout.splitlines() if line.startswith("compose-smoke:")]
+    [summary] = [line for line in stdout.read_text().splitlines() if line.startswith("compose-smoke:")]
     print(summary)
     assert summary.startswith(f"compose-smoke: {steps} steps in "), summary
+
+
+def processes_holding(*files: Path) -> list[str]:
+    """'PID COMMAND' of every process with one of these files open."""
+    wanted = {(st.st_dev, st.st_ino) for st in map(os.stat, files)}
+    holders = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            st = os.stat(fd)
+            if (st.st_dev, st.st_ino) in wanted:
+                pid = fd.parent.parent.name
+                holders.add(f"{pid} {Path('/proc', pid, 'comm').read_text().strip()}")
+        except OSError:  # the process or descriptor went away meanwhile
+            continue
+    return sorted(holders)
 
 
 def test_rollout_exits_on_sigterm(redis_url):
