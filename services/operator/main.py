@@ -25,6 +25,7 @@ import argparse
 import base64
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -257,6 +258,9 @@ class OperatorState:
     api: client.ApiClient
     config: OperatorConfig
     runs: dict[str, RunMemory] = field(default_factory=dict)
+    # Set on the operator's exit. kopf stops the daemons it knows of then, but one spawned for an event still in
+    # processing is never told: it must see this, or its thread keeps the operator's process from exiting.
+    exiting: threading.Event = field(default_factory=threading.Event)
 
 
 def _state(memo: kopf.Memo) -> OperatorState:
@@ -282,7 +286,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 @kopf.on.cleanup()
 def close_connections(memo: kopf.Memo, **_: Any) -> None:
-    for memory in _state(memo).runs.values():
+    state = _state(memo)
+    state.exiting.set()
+    for memory in state.runs.values():
         memory.close()
 
 
@@ -392,7 +398,7 @@ def roll_out_weights(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
     WEIGHT_POLL_S (one Redis GET while nothing changes) instead of the status pass's interval."""
     state = _state(memo)
     memory = state.runs.setdefault(body["metadata"]["uid"], RunMemory())
-    while not stopped:
+    while not (stopped or state.exiting.is_set()):
         run = memory.run
         if run is None:  # the first status pass has not run yet (or the spec is invalid)
             stopped.wait(STATUS_INTERVAL_S)
