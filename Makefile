@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart tiny test lint proto images compose-smoke cluster-e2e
+.PHONY: install quickstart tiny test lint proto generate images compose-smoke cluster-e2e
 
 install: $(VENV)/.installed
 
@@ -27,11 +27,16 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# Regenerate services/core/records_pb2.py after editing proto/reinforce/v1/records.proto.
+# Regenerate services/reinforce/core/records_pb2.py after editing proto/reinforce/v1/records.proto.
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto/reinforce/v1 --python_out=services/core --pyi_out=services/core records.proto
 
-# Every container image, offline: a debootstrapped Debian base, a wheelhouse, services/*/Dockerfile (root, docker.io).
+# Every generated file (CRD, chart values schema and RBAC rules, operator/operator.yaml, dashboards, alerts,
+# README tables) from the code that defines it; the drift tests fail until this has been run.
+generate: install
+	PYTHONPATH=scripts $(PY) -m generate
+
+# Every container image, offline: a debootstrapped Debian base, a wheelhouse, services/reinforce/*/Dockerfile (root, docker.io).
 images:
 	bash scripts/build-images.sh
 

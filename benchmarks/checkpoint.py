@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from reinforce.core.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from reinforce.core.models import load_policy
 from reinforce.core.weights import publish
+from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 
 
 def timed(fn):

@@ -3,9 +3,9 @@
 #
 #   reinforce-base:<release>    Debian from debootstrap --variant=minbase (the machine's own release and mirror),
 #                               with python3, python3-venv, libpython3.X, ca-certificates, curl and redis-server
-#   reinforce-runtime:0.1.0     services/core/Dockerfile FROM that base: venv, torch (CPU), the project
+#   reinforce-runtime:0.1.0     services/reinforce/core/Dockerfile FROM that base: venv, torch (CPU), the project
 #   reinforce-reward:0.1.0, reinforce-generator:0.1.0, reinforce-trainer:0.1.0, reinforce-operator:0.1.0
-#                               services/<name>/Dockerfile FROM the runtime (CPU variants)
+#                               services/reinforce/<name>/Dockerfile FROM the runtime (CPU variants)
 #   reinforce-redis:0.1.0       Debian's redis-server, standing in for redis:7.0 (which cannot be pulled here)
 #
 # Usage: scripts/build-images.sh [build]     build (or bring up to date) every image
@@ -197,12 +197,12 @@ main() {
     timed "base image $BASE_IMAGE" build_base
     timed "wheelhouse $WHEELS" build_wheelhouse
     serve_wheelhouse
-    build "reinforce-runtime:$VERSION" -f "$ROOT/services/core/Dockerfile" \
+    build "reinforce-runtime:$VERSION" -f "$ROOT/services/reinforce/core/Dockerfile" \
         --build-arg BASE="$BASE_IMAGE" --build-arg WHEELS="$WHEELS_URL" "$ROOT"
     check_runtime
     local service
     for service in "${SERVICES[@]}"; do
-        build "reinforce-$service:$VERSION" -f "$ROOT/services/$service/Dockerfile" "$ROOT"
+        build "reinforce-$service:$VERSION" -f "$ROOT/services/reinforce/$service/Dockerfile" "$ROOT"
     done
     build_redis
     "$DOCKER" image ls --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' | grep '^reinforce-' | sort >&2

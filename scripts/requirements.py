@@ -3,8 +3,8 @@
     python scripts/requirements.py torch   # the torch pin alone: installed first (unpinned, pip pulls GBs of CUDA)
     python scripts/requirements.py rest    # everything else the installed project needs, with its build backend
 
-Container builds (services/core/Dockerfile, scripts/build-images.sh) install from these lists. Needs Python 3.11+
-and nothing else (tomllib).
+Container builds (services/reinforce/core/Dockerfile, scripts/build-images.sh) install from these lists.
+Needs Python 3.11+ and nothing else (tomllib).
 """
 
 import re

@@ -1,7 +1,7 @@
 """A real Kubernetes control plane for the tests: etcd, kube-apiserver and kube-controller-manager on loopback.
 
 Test modules use the session fixture with ``from k8s import kube_apiserver  # noqa: F401``. The binaries come
-from ``scripts/k8s-test-cluster.sh``, which builds them from Debian's ``kubernetes`` source package the first
+from ``tests/integration/k8s-test-cluster.sh``, which builds them from Debian's ``kubernetes`` source package the first
 time on a machine (about 6 to 11 minutes on 2 cores; later sessions reuse the cache in ~/.cache/reinforce-k8s)
 and installs etcd-server. The API server runs with RBAC (``--authorization-mode=Node,RBAC``), an admin token in
 group system:masters, client certificates for any user and groups, and ServiceAccount tokens; the
@@ -36,11 +36,11 @@ import yaml
 from kopf.testing import KopfRunner
 from kubernetes import client, config
 
-from reinforce.core import crd
+from generate import crd
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD_SCRIPT = REPO / "scripts" / "k8s-test-cluster.sh"
-SINGLE_NODE_SCRIPT = REPO / "scripts" / "k8s-single-node.sh"
+BUILD_SCRIPT = REPO / "tests" / "integration" / "k8s-test-cluster.sh"
+SINGLE_NODE_SCRIPT = REPO / "tests" / "e2e" / "k8s-single-node.sh"
 BIN = Path(sys.executable).parent  # scripts/install_system.py puts helm and kubectl beside python
 HELM = shutil.which("helm", path=str(BIN)) or "helm"
 KUBECTL = shutil.which("kubectl", path=str(BIN)) or "kubectl"
@@ -413,7 +413,7 @@ def operator(namespace: str) -> Iterator[KopfRunner]:
     assert "forbidden" not in runner.output.lower(), runner.output  # the RBAC of OPERATOR_RULES sufficed
 
 
-# --- a whole single-node cluster (scripts/k8s-single-node.sh) ----------------------------------------------------
+# --- a whole single-node cluster (tests/e2e/k8s-single-node.sh) ----------------------------------------------------
 
 
 def cgroup_hierarchies() -> list[Path]:
@@ -426,7 +426,7 @@ def cgroup_hierarchies() -> list[Path]:
 
 
 def single_node_skip_reason() -> str | None:
-    """Why scripts/k8s-single-node.sh cannot run here (None: it can)."""
+    """Why tests/e2e/k8s-single-node.sh cannot run here (None: it can)."""
     if sys.platform != "linux":
         return "needs Linux"
     if os.geteuid() != 0:
@@ -453,7 +453,7 @@ def single_node_skip_reason() -> str | None:
 
 
 def single_node(command: str, state: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """scripts/k8s-single-node.sh COMMAND with its state in `state`, its output printed."""
+    """tests/e2e/k8s-single-node.sh COMMAND with its state in `state`, its output printed."""
     env = {**os.environ, "REINFORCE_K8S_STATE": str(state)}
     result = subprocess.run(
         ["bash", str(SINGLE_NODE_SCRIPT), command],

@@ -17,17 +17,15 @@ import httpx
 import yaml
 from conftest import free_port
 
-from reinforce.core.dashboards import (
+from generate.dashboards import (
     ALERTS,
     ALERTS_FILE,
-    COMPONENT_GENERATOR,
-    COMPONENT_REWARD,
-    COMPONENT_TRAINER,
     DASHBOARDS,
     RATE_INTERVAL,
     RUN_VARIABLE,
     dashboard_json,
 )
+from reinforce.core.names import COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 # Series Prometheus makes itself about each target, not exported by any service.

@@ -25,7 +25,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/*
-The labels the dashboards and alerts select by (services/core/dashboards.py): run, component, instance,
+The labels the dashboards and alerts select by (scripts/generate/dashboards.py): run, component, instance,
 taken from the pod's labels and name.
 */}}
 {{- define "reinforce.relabelings" -}}

@@ -1,0 +1,61 @@
+"""Regenerate the README's generated tables (spec reference, metrics) from the code that defines them."""
+
+import re
+import sys
+from pathlib import Path
+
+from generate.dashboards import ALERTS, DASHBOARDS
+from reinforce.core.metrics import STEP_METRICS, prometheus_name
+from reinforce.core.spec import RunSpec, reference_markdown
+from reinforce.operator.children import OperatorConfig
+from reinforce.operator.resource import ReinforceRunSpec
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def metrics_markdown() -> str:
+    rows = ["| metrics.jsonl name | Prometheus name | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | `{prometheus_name(name)}` | {doc} |" for name, doc in STEP_METRICS.items()]
+    return "\n".join(rows)
+
+
+def kubernetes_reference_markdown() -> str:
+    """The fields a ReinforceRun has beyond a run spec."""
+    return reference_markdown(ReinforceRunSpec, skip=tuple(RunSpec.model_fields))
+
+
+def dashboards_markdown() -> str:
+    rows = ["| dashboard (uid) | shows | panels |", "| --- | --- | --- |"]
+    rows += [f"| {d.title} (`{d.uid}`) | {d.description} | {len(d.panels)} |" for d in DASHBOARDS]
+    return "\n".join(rows)
+
+
+def alerts_markdown() -> str:
+    rows = ["| alert | severity | fires when |", "| --- | --- | --- |"]
+    for a in ALERTS:
+        pending = f", for {a.for_minutes} min" if a.for_minutes else ""
+        rows.append(f"| `{a.name}` | {a.severity} | `{a.expr}`{pending} |")
+    return "\n".join(rows)
+
+
+GENERATED = {
+    "spec-reference": reference_markdown,
+    "kubernetes-reference": kubernetes_reference_markdown,
+    "operator-config": lambda: reference_markdown(OperatorConfig),
+    "metrics": metrics_markdown,
+    "dashboards": dashboards_markdown,
+    "alerts": alerts_markdown,
+}
+
+
+def render(text: str) -> str:
+    for name, make in GENERATED.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- end:{name} -->)", re.S)
+        if not pattern.search(text):
+            sys.exit(f"README.md lacks the markers of the generated block {name!r}")
+        text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+def generated_files() -> dict[Path, str]:
+    return {README: render(README.read_text())}

@@ -1,3 +1,0 @@
-from reinforce.generator.main import main
-
-main()

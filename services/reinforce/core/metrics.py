@@ -1,0 +1,150 @@
+"""Every metric name, defined once.
+
+Step metrics use NeMo-Aligner's names (`train_rollouts/rewards`, ...) in metrics.jsonl; Prometheus gets the same
+name with the prefix `reinforce_` and `/` turned into `_` (`reinforce_train_rollouts_rewards`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from reinforce.core.names import PROMETHEUS_COMPONENT_LABEL, PROMETHEUS_INSTANCE_LABEL, PROMETHEUS_RUN_LABEL
+
+PREFIX = "reinforce_"
+
+# name -> meaning. The trainer sets each of these once per step.
+STEP_METRICS: dict[str, str] = {
+    "train_rollouts/rewards": "Mean reward of the step's samples.",
+    "train_rollouts/init_policy_kl": "Mean per-sample KL to the reference policy (the configured estimator).",
+    "train_rollouts/rewards_with_kl": "Mean of reward - beta * KL.",
+    "train_rollouts/fraction_of_samples_properly_ended": "Fraction of samples that emitted EOS or a stop string.",
+    "train_rollouts/response_lengths": "Mean response length in tokens.",
+    "train_rollouts/prompt_lengths": "Mean prompt length in tokens.",
+    "train_rollouts/generation_length": "Mean prompt + response length in tokens.",
+    "train_rollouts/advantages_abs": "Mean absolute RLOO advantage.",
+    "train_rollouts/dropped_nonfinite_rewards": "Samples left out of the step because their reward was NaN or inf.",
+    "train_rollouts/logprob_mismatch": "Mean |generator log-prob - trainer log-prob| of the same tokens and weights.",
+    "train_rollouts/policy_lag": "Mean of (trained weight version - version that sampled the group).",
+    "train_rollouts/policy_lag_max": "Largest policy lag of the step's groups (never above max_policy_lag).",
+    "train_rollouts/dropped_stale_groups": "Groups dropped so far for being more than max_policy_lag versions old.",
+    "train_rollouts/importance_weight_mean": "Mean truncated importance weight min(pi/mu, cap) (asynchronous mode).",
+    "train_rollouts/importance_weight_max": "Largest truncated importance weight of the step (asynchronous mode).",
+    "train_rollouts/importance_weight_capped_fraction": "Fraction of tokens whose importance weight hit the cap.",
+    "train_optim/loss": "REINFORCE loss (masked token mean).",
+    "train_optim/grad_norm": "Global gradient norm before clipping.",
+    "train_optim/lr": "Learning rate used by the step.",
+    "timers/rollout_time": "Seconds from enqueueing the step's prompts to receiving its last rollout group.",
+    "timers/generate": "Generator seconds spent sampling the step's groups (summed over generators).",
+    "timers/reward": "Generator seconds spent waiting for the reward server for the step's groups.",
+    "timers/init_logprobs": "Seconds computing the reference policy's log-probs.",
+    "timers/train_time": "Seconds of forward, backward and optimizer step (current log-probs come from this pass).",
+    "timers/weight_publish": "Seconds writing and announcing the new weight version.",
+    "timers/step_time": "Wall seconds of the whole step.",
+    "throughput/generated_tokens_per_second": "Response tokens of the step / generate seconds.",
+    "weights/published_version": "Latest published weight version.",
+    "queue/prompts_pending": "Prompts enqueued but not yet acknowledged by a generator.",
+    "queue/rollouts_waiting": "Rollout groups not yet consumed by the trainer.",
+    "queue/dead_letters": "Records moved to the run's dead-letter stream because they did not decode.",
+    "data/truncated_prompts": "Prompts of the step truncated from the left to max_prompt_tokens.",
+    "data/skipped_long_prompts": "Prompts skipped this step for being longer than max_prompt_tokens.",
+}
+
+STEP = "step"  # the jsonl key of the step number; Prometheus: TRAINER_STEP
+TRAINER_STEP = PREFIX + "trainer_step"  # Prometheus name of the last completed step
+TIME = "time"  # the jsonl key of the unix time the step finished
+
+
+def prometheus_name(name: str) -> str:
+    return PREFIX + name.replace("/", "_")
+
+
+class TrainerMetrics:
+    """The trainer's gauges and its metrics.jsonl, written together so the two never disagree."""
+
+    def __init__(self, jsonl_path: Path | None, registry: CollectorRegistry | None = None) -> None:
+        """jsonl_path None: Prometheus only (data-parallel ranks other than the main one)."""
+        self.registry = registry or CollectorRegistry()
+        self._gauges = {
+            name: Gauge(prometheus_name(name), doc, registry=self.registry) for name, doc in STEP_METRICS.items()
+        }
+        self._step = Gauge(TRAINER_STEP, "Last completed trainer step.", registry=self.registry)
+        self.policy_lag = Histogram(
+            PREFIX + "trainer_group_policy_lag",
+            "Per rollout group: trained version - version that sampled it.",
+            buckets=(0, 1, 2, 3, 4, 8),
+            registry=self.registry,
+        )
+        self._jsonl: IO[str] | None = None
+        if jsonl_path is not None:
+            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = jsonl_path.open("a", buffering=1)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        unknown = set(values) - set(STEP_METRICS)
+        if unknown:
+            raise KeyError(f"undeclared metric names {sorted(unknown)}: add them to STEP_METRICS")
+        for name, value in values.items():
+            self._gauges[name].set(value)
+        self._step.set(step)
+        if self._jsonl is not None:
+            row = {STEP: step, TIME: time.time(), **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+            self._jsonl.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+class GeneratorMetrics:
+    """A generator's counters; Prometheus only (the trainer's step metrics summarise them per step)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.prompts = Counter(PREFIX + "generator_prompts", "Prompts sampled and pushed.", registry=r)
+        self.samples = Counter(PREFIX + "generator_samples", "Responses sampled.", registry=r)
+        self.tokens = Counter(PREFIX + "generator_tokens", "Response tokens sampled.", registry=r)
+        self.generate_seconds = Counter(PREFIX + "generator_generate_seconds", "Seconds spent sampling.", registry=r)
+        self.reward_seconds = Counter(
+            PREFIX + "generator_reward_seconds", "Seconds waiting for the reward server.", registry=r
+        )
+        self.batch_size = Histogram(
+            PREFIX + "generator_batch_sequences",
+            "Sequences sampled together in one batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.weight_version = Gauge(PREFIX + "generator_weight_version", "Loaded weight version.", registry=r)
+        self.weight_load_seconds = Gauge(
+            PREFIX + "generator_weight_load_seconds", "Seconds the last weight load took.", registry=r
+        )
+        self.weight_fetch_seconds = Gauge(
+            PREFIX + "generator_weight_fetch_seconds",
+            "Seconds the last weight version took to transfer and check (sha256).",
+            registry=r,
+        )
+        self.weight_bytes = Counter(PREFIX + "generator_weight_bytes", "Weight bytes fetched.", registry=r)
+        self.nonfinite_rewards = Counter(
+            PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
+        )
+
+
+def read_metrics(jsonl_path: Path) -> list[dict[str, float]]:
+    """The rows of a metrics.jsonl (the supervisor's progress bar, plots and tests read it)."""
+    if not jsonl_path.exists():
+        return []
+    # A last line without its newline is still being written by the trainer: it is read next time.
+    complete = jsonl_path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def file_sd_target(run: str, component: str, instance: str, address: str) -> dict:
+    """One entry of a Prometheus file-service-discovery file, labelled as the dashboards and alerts select."""
+    labels = {PROMETHEUS_RUN_LABEL: run, PROMETHEUS_COMPONENT_LABEL: component, PROMETHEUS_INSTANCE_LABEL: instance}
+    return {"targets": [address], "labels": labels}

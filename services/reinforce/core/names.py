@@ -1,0 +1,43 @@
+"""Every name that crosses a process boundary, defined once: environment variables, the reward model's Triton
+names, probe paths, component names and the labels that Prometheus and Kubernetes select on.
+
+Two kinds of label must not be confused: `PROMETHEUS_*_LABEL` are the labels of scraped series (what the
+dashboards and alerts select on), `K8S_*_LABEL` are the labels of the run's Kubernetes objects (what the
+operator's selectors match).
+"""
+
+# --- environment variables (secrets travel in the environment, never on a command line) ---------------------
+REDIS_URL_ENV = "REINFORCE_REDIS_URL"
+CONTROL_TOKEN_ENV = "REINFORCE_CONTROL_TOKEN"
+OPERATOR_CONFIG_ENV = "REINFORCE_OPERATOR_CONFIG"  # path of the operator's configuration file
+POD_NAME_ENV = "POD_NAME"  # the pod's own name, from the downward API (a StatefulSet ordinal ends it)
+
+# --- components: process names locally, pod components on Kubernetes, `component` label in Prometheus --------
+COMPONENT_REDIS = "redis"
+COMPONENT_REWARD = "reward"
+COMPONENT_GENERATOR = "generator"
+COMPONENT_TRAINER = "trainer"
+COMPONENTS = (COMPONENT_REDIS, COMPONENT_REWARD, COMPONENT_GENERATOR, COMPONENT_TRAINER)
+
+# --- the reward model on Triton -------------------------------------------------------------------------------
+REWARD_MODEL = "reward"
+REWARD_INPUT_PROMPT = "prompt"
+REWARD_INPUT_RESPONSE = "response"
+REWARD_OUTPUT = "reward"
+# The server prefixes the error of a failing reward function with this, so that clients do not retry it.
+REWARD_FN_FAILED = "reward function failed"
+
+# --- probes ---------------------------------------------------------------------------------------------------
+HEALTH_PATH = "/healthz"  # liveness of the generator's control plane and the operator
+READY_PATH = "/readyz"  # readiness of the generator's control plane
+METRICS_PATH = "/metrics"
+# The model's readiness, not the server's: Triton's /v2/health/ready answers 200 before the model has loaded.
+REWARD_READY_PATH = f"/v2/models/{REWARD_MODEL}/ready"
+REWARD_LIVE_PATH = "/v2/health/live"
+
+# --- labels ---------------------------------------------------------------------------------------------------
+PROMETHEUS_RUN_LABEL = "run"
+PROMETHEUS_COMPONENT_LABEL = "component"
+PROMETHEUS_INSTANCE_LABEL = "instance"
+K8S_INSTANCE_LABEL = "app.kubernetes.io/instance"  # the run's name
+K8S_COMPONENT_LABEL = "app.kubernetes.io/component"

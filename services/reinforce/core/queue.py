@@ -1,0 +1,320 @@
+"""The rollout queue: Redis Streams with consumer groups, namespaced by run.
+
+Keys of run ``R`` (all deleted by :meth:`RolloutQueue.delete_run_keys`)::
+
+    reinforce:R:prompts     stream, consumer group ``generators``: trainer -> generators
+    reinforce:R:rollouts    stream, consumer group ``trainer``: generators -> trainer
+    reinforce:R:weights     string: the latest published WeightVersion
+    reinforce:R:deadletter  stream: entries that could not be decoded
+
+Every entry holds one protobuf record under the field ``data`` (never pickle).
+
+Delivery is at least once. Acknowledging an entry also deletes it (XACK + XDEL in one transaction):
+each stream has exactly one consumer group, so an acked entry is never needed again, and deleting it
+keeps a long run's memory bounded by what is in flight rather than by everything ever sent. Because a
+dead generator's prompts are reclaimed by another (XAUTOCLAIM), the same prompt may be sampled twice;
+the trainer drops duplicate rollout groups by ``prompt_id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+import redis
+from google.protobuf.message import DecodeError, Message
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from reinforce.core.names import REDIS_URL_ENV
+from reinforce.core.records_pb2 import Prompt, RolloutGroup, WeightVersion
+
+GENERATORS_GROUP = "generators"
+TRAINER_GROUP = "trainer"
+DATA_FIELD = b"data"
+
+# A blocking read must return before the client's socket times out, or redis-py would raise (or retry
+# and lose the entries the server already delivered into our pending list until they are reclaimed).
+_BLOCK_MARGIN_MS = 1000
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+M = TypeVar("M", bound=Message)
+# The field that names a record; an entry whose record lacks it is dead-lettered.
+_IDENTITY = {"Prompt": "id", "RolloutGroup": "prompt_id"}
+
+
+# Services read the Redis URL (it may carry a password) from this variable when --redis-url is not given.
+
+
+def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
+    """--redis-url, defaulting to $REINFORCE_REDIS_URL (which keeps a password off the command line)."""
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get(REDIS_URL_ENV),
+        required=REDIS_URL_ENV not in os.environ,
+        help=f"redis://[:PASSWORD@]HOST:PORT/DB (default: ${REDIS_URL_ENV})",
+    )
+
+
+def connect(url: str, socket_timeout: float = 30.0, retries: int = 5) -> redis.Redis:
+    """A client for ``redis://[[user]:password@]host:port/db`` that rides out short Redis restarts.
+
+    ``socket_timeout`` bounds every command; blocking reads of :class:`RolloutQueue` are shortened to
+    fit inside it. Connection errors and timeouts are retried ``retries`` times with jittered backoff
+    (about 5 s in all by default; redis-py retries a wrong password too). Responses stay bytes: the
+    records are binary protobuf.
+    """
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=5.0,
+        # Connections idle behind a NAT or a restarted server are checked before use, not found dead mid-read.
+        health_check_interval=15,
+        retry_on_timeout=True,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=2.0), retries=retries),
+        decode_responses=False,
+    )
+
+
+class RolloutQueue:
+    """Prompts out to generators, rollout groups back to the trainer, and the latest weight version."""
+
+    def __init__(self, client: redis.Redis, run_name: str) -> None:
+        if not _RUN_NAME.match(run_name):
+            raise ValueError(f"run name {run_name!r} must be letters, digits, '.', '_' or '-'")
+        kwargs = client.connection_pool.connection_kwargs
+        if kwargs.get("decode_responses"):
+            raise ValueError("the Redis client must not decode responses: records are binary protobuf")
+        self.client = client
+        self.run_name = run_name
+        self.prefix = f"reinforce:{run_name}:"
+        self.prompts_key = self.prefix + "prompts"
+        self.rollouts_key = self.prefix + "rollouts"
+        self.weights_key = self.prefix + "weights"
+        self.deadletter_key = self.prefix + "deadletter"
+        self._socket_timeout: float | None = kwargs.get("socket_timeout")
+
+    # --- setup and teardown -------------------------------------------------------------------------
+
+    def ensure_groups(self) -> None:
+        """Create both consumer groups (and their streams); safe to call from every process, any order."""
+        for key, group in ((self.prompts_key, GENERATORS_GROUP), (self.rollouts_key, TRAINER_GROUP)):
+            try:
+                # From id 0, not $: entries added before the group existed must still be delivered.
+                self.client.xgroup_create(key, group, id="0", mkstream=True)
+            except redis.ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    def delete_run_keys(self) -> int:
+        """Delete every key of this run (including keys other components put under its prefix)."""
+        pattern = _glob_escape(self.prefix) + "*"
+        keys = list(self.client.scan_iter(match=pattern, count=500))
+        return int(self.client.delete(*keys)) if keys else 0
+
+    # --- prompts ------------------------------------------------------------------------------------
+
+    def put_prompts(self, prompts: Sequence[Prompt]) -> list[str]:
+        """Append prompts in order (one round trip); returns their entry ids."""
+        pipe = self.client.pipeline(transaction=False)
+        for prompt in prompts:
+            pipe.xadd(self.prompts_key, {DATA_FIELD: prompt.SerializeToString()})
+        return [_text(entry_id) for entry_id in pipe.execute()]
+
+    def read_prompts(self, consumer: str, count: int, block_ms: int, pending: bool = False) -> list[tuple[str, Prompt]]:
+        """Up to ``count`` prompts never delivered before; waits up to ``block_ms`` (0: do not wait).
+
+        pending=True instead returns the prompts already delivered to ``consumer`` and not acknowledged:
+        a restarted generator (same consumer name) picks up its own unfinished work first.
+        """
+        return self._read(self.prompts_key, GENERATORS_GROUP, consumer, count, block_ms, Prompt, pending)
+
+    def ack_prompts(self, entry_ids: Iterable[str]) -> int:
+        """Acknowledge (and delete) prompts; returns how many were still pending.
+
+        Fewer than given means another consumer reclaimed and finished some of them meanwhile.
+        """
+        return self._ack(self.prompts_key, GENERATORS_GROUP, entry_ids)
+
+    def reclaim_prompts(self, consumer: str, min_idle_ms: int, count: int) -> list[tuple[str, Prompt]]:
+        """Take over up to ``count`` prompts delivered to any consumer but unacked for ``min_idle_ms``.
+
+        This is how a dead generator's prompts get sampled by the living ones.
+        """
+        claimed: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+        cursor: bytes | str = "0-0"
+        # One XAUTOCLAIM scans at most 10*count pending entries; continue until enough or the end.
+        while len(claimed) < count:
+            reply = self.client.xautoclaim(
+                self.prompts_key,
+                GENERATORS_GROUP,
+                consumer,
+                min_idle_time=min_idle_ms,
+                start_id=cursor,
+                count=count - len(claimed),
+            )
+            cursor, entries = reply[0], reply[1]
+            claimed.extend(entries)
+            if _text(cursor) == "0-0":
+                break
+        return self._decode_entries(self.prompts_key, GENERATORS_GROUP, claimed, Prompt)
+
+    # --- rollouts -----------------------------------------------------------------------------------
+
+    def put_rollout(self, group: RolloutGroup) -> str:
+        return _text(self.client.xadd(self.rollouts_key, {DATA_FIELD: group.SerializeToString()}))
+
+    def read_rollouts(
+        self, consumer: str, count: int, block_ms: int, pending: bool = False
+    ) -> list[tuple[str, RolloutGroup]]:
+        """Up to ``count`` rollout groups never delivered before; waits up to ``block_ms`` (0: no wait).
+
+        pending=True: the groups already delivered to ``consumer`` and not acknowledged (see read_prompts).
+        """
+        return self._read(self.rollouts_key, TRAINER_GROUP, consumer, count, block_ms, RolloutGroup, pending)
+
+    def ack_rollouts(self, entry_ids: Iterable[str]) -> int:
+        return self._ack(self.rollouts_key, TRAINER_GROUP, entry_ids)
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    def publish_weights(self, weights: WeightVersion) -> None:
+        """Make ``weights`` the latest version (last writer wins: the trainer is the only writer)."""
+        self.client.set(self.weights_key, weights.SerializeToString())
+
+    def latest_weights(self) -> WeightVersion | None:
+        raw = self.client.get(self.weights_key)
+        if raw is None:
+            return None
+        weights = WeightVersion()
+        weights.ParseFromString(raw)
+        return weights
+
+    # --- metrics ------------------------------------------------------------------------------------
+
+    def dead_letters(self) -> int:
+        """How many entries were moved to the dead-letter stream."""
+        return int(self.client.xlen(self.deadletter_key))
+
+    def depths(self) -> dict[str, int]:
+        """Queue depths for metrics.
+
+        ``prompts``/``rollouts``: entries not yet acknowledged (``*_unread`` not yet delivered to any
+        consumer plus ``*_pending`` delivered but unacked). Unread is the group's ``lag`` (Redis >= 7);
+        where Redis cannot tell it, XLEN - pending, exact here because acked entries are deleted.
+        """
+        out: dict[str, int] = {}
+        for name, key, group in (
+            ("prompts", self.prompts_key, GENERATORS_GROUP),
+            ("rollouts", self.rollouts_key, TRAINER_GROUP),
+        ):
+            unread, pending = self._group_depth(key, group)
+            out[name] = unread + pending
+            out[f"{name}_unread"] = unread
+            out[f"{name}_pending"] = pending
+        out["deadletter"] = self.dead_letters()
+        return out
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _group_depth(self, key: str, group: str) -> tuple[int, int]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(key)
+        pipe.xinfo_groups(key)
+        try:
+            length, groups = pipe.execute()
+        except redis.ResponseError:  # no stream yet: nothing queued
+            return 0, 0
+        info = next((g for g in groups if _text(g["name"]) == group), None)
+        if info is None:
+            return int(length), 0
+        pending = int(info["pending"])
+        lag = info.get("lag")
+        unread = int(lag) if lag is not None else max(int(length) - pending, 0)
+        return unread, pending
+
+    def _block_ms(self, block_ms: int) -> int | None:
+        """The BLOCK argument: None for no blocking (Redis's BLOCK 0 would wait forever)."""
+        if block_ms <= 0:
+            return None
+        if self._socket_timeout is None:
+            return block_ms
+        limit_ms = int(self._socket_timeout * 1000)
+        margin = min(_BLOCK_MARGIN_MS, limit_ms // 2)
+        return max(min(block_ms, limit_ms - margin), 1)
+
+    def _read(
+        self, key: str, group: str, consumer: str, count: int, block_ms: int, cls: type[M], pending: bool
+    ) -> list[tuple[str, M]]:
+        # ">" asks for new entries; "0" for this consumer's delivered-but-unacknowledged ones (never blocks).
+        start, block = ("0", None) if pending else (">", self._block_ms(block_ms))
+        reply = self.client.xreadgroup(group, consumer, {key: start}, count=count, block=block)
+        return self._decode_entries(key, group, _stream_entries(reply), cls)
+
+    def _decode_entries(
+        self, key: str, group: str, entries: Sequence[tuple[Any, Any]], cls: type[M]
+    ) -> list[tuple[str, M]]:
+        good: list[tuple[str, M]] = []
+        for raw_id, fields in entries:
+            entry_id = _text(raw_id)
+            record, reason = _decode(fields, cls)
+            if record is None:
+                self._dead_letter(key, group, entry_id, reason, (fields or {}).get(DATA_FIELD, b""))
+            else:
+                good.append((entry_id, record))
+        return good
+
+    def _dead_letter(self, key: str, group: str, entry_id: str, reason: str, data: bytes) -> None:
+        """Move a bad entry aside and ack it, atomically, so no reader ever sees it again."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.deadletter_key, {"stream": key, "entry_id": entry_id, "reason": reason, "data": data})
+        pipe.xack(key, group, entry_id)
+        pipe.xdel(key, entry_id)
+        pipe.execute()
+
+    def _ack(self, key: str, group: str, entry_ids: Iterable[str]) -> int:
+        ids = list(entry_ids)
+        if not ids:
+            return 0
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(key, group, *ids)
+        pipe.xdel(key, *ids)
+        acked, _ = pipe.execute()
+        return int(acked)
+
+
+def _decode(fields: dict[bytes, bytes] | None, cls: type[M]) -> tuple[M | None, str]:
+    """The record in an entry, or None and why not."""
+    if not fields or DATA_FIELD not in fields:
+        return None, "missing 'data' field"
+    record = cls()
+    try:
+        record.ParseFromString(fields[DATA_FIELD])
+    except DecodeError as err:
+        return None, f"cannot decode {cls.__name__}: {err}"
+    # Protobuf parses many byte strings (the empty one included) into a default message; a record
+    # without its identity is as useless as an undecodable one.
+    ident = _IDENTITY.get(cls.__name__)
+    if ident and not getattr(record, ident):
+        return None, f"{cls.__name__} has an empty {ident}"
+    return record, ""
+
+
+def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
+    """The entries of a single-stream XREADGROUP reply: RESP2 [[key, entries]], RESP3 {key: [entries]}."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [tuple(entry) for batches in reply.values() for batch in batches for entry in batch]
+    return [entry for _, entries in reply for entry in entries]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

@@ -1,0 +1,161 @@
+"""Weight rollout: one reconciler, used by the local supervisor and by the operator on Kubernetes.
+
+Desired state: every generator has loaded the latest published weight version. Each pass reads the latest
+WeightVersion from the run's queue, asks every generator for its loaded version, and sends the new version to
+those behind. It is level-triggered: a pass after any failure (a generator restarting, a lost request)
+converges again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import redis
+from google.protobuf.json_format import MessageToDict
+
+from reinforce.core.names import CONTROL_TOKEN_ENV
+from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
+from reinforce.core.records_pb2 import WeightVersion
+
+log = logging.getLogger("reinforce.rollout")
+
+
+def weight_version_json(weights: WeightVersion) -> dict:
+    """The body of a generator's POST /v1/weights (proto3 JSON mapping)."""
+    return MessageToDict(weights, always_print_fields_with_no_presence=True)
+
+
+@dataclass
+class GeneratorWeights:
+    name: str
+    loaded_version: int | None  # None: the generator did not answer
+    last_error: str = ""
+    loads: int = 0  # versions the generator process has loaded since it started
+
+
+class WeightReconciler:
+    """Call `reconcile_once` often: it asks the generators only while one is behind, or every `resync_s`."""
+
+    def __init__(
+        self,
+        queue: RolloutQueue,
+        generator_urls: dict[str, str],
+        control_token: str,
+        timeout_s: float = 5.0,
+        resync_s: float = 5.0,
+    ) -> None:
+        self.queue = queue
+        self.generator_urls = generator_urls
+        self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {control_token}"})
+        self.resync_s = resync_s
+        self.states: list[GeneratorWeights] = []
+        self._last_pass = -float("inf")
+
+    def retarget(self, generator_urls: dict[str, str]) -> None:
+        """The generators to keep in sync changed (pods came or went): ask them all on the next pass."""
+        if generator_urls != self.generator_urls:
+            self.generator_urls = dict(generator_urls)
+            self.states = []
+
+    def reconcile_once(self) -> tuple[int | None, list[GeneratorWeights]]:
+        """Returns the published version and each generator's loaded version as last seen."""
+        try:
+            latest = self.queue.latest_weights()
+        except redis.RedisError as err:  # Redis restarting: converge on a later pass
+            log.warning("cannot read the published weight version: %s", err)
+            return None, self.states
+        version = latest.version if latest is not None else None
+        if self._converged(version) and time.monotonic() - self._last_pass < self.resync_s:
+            return version, self.states
+        self._last_pass = time.monotonic()
+        self.states = [self._status(name, url) for name, url in self.generator_urls.items()]
+        for state in self.states:
+            if version is not None and state.loaded_version is not None and state.loaded_version != version:
+                self._push(state.name, self.generator_urls[state.name], latest)
+        return version, self.states
+
+    def _converged(self, version: int | None) -> bool:
+        return len(self.states) == len(self.generator_urls) and all(
+            s.loaded_version is not None and (version is None or s.loaded_version == version) for s in self.states
+        )
+
+    def _status(self, name: str, url: str) -> GeneratorWeights:
+        try:
+            body = self.client.get(f"{url}/v1/weights").raise_for_status().json()
+        except httpx.HTTPError:
+            return GeneratorWeights(name, None)
+        return GeneratorWeights(name, body["loaded_version"], body.get("last_error", ""), body.get("loads", 0))
+
+    def _push(self, name: str, url: str, weights: WeightVersion) -> None:
+        try:
+            self.client.post(f"{url}/v1/weights", json=weight_version_json(weights)).raise_for_status()
+        except httpx.HTTPError as err:
+            log.warning("generator %s: cannot request weight version %d: %s", name, weights.version, err)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# --- `reinforce rollout`: the reconciler on its own, where neither the supervisor nor the operator runs it ------
+
+
+def follow(reconciler: WeightReconciler, interval_s: float, stop: threading.Event) -> None:
+    """Reconcile until `stop` is set, logging each generator's change of loaded version."""
+    loaded: dict[str, int | None] = {}
+    while not stop.is_set():
+        version, states = reconciler.reconcile_once()
+        for state in states:
+            if loaded.get(state.name, -1) != state.loaded_version:
+                log.info("published %s; %s has loaded %s", version, state.name, state.loaded_version)
+                loaded[state.name] = state.loaded_version
+        stop.wait(interval_s)
+
+
+def _generator(value: str) -> tuple[str, str]:
+    name, sep, url = value.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"--generator {value!r}: expected NAME=http://HOST:PORT")
+    return name, url.rstrip("/")
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"error: ${CONTROL_TOKEN_ENV} is not set (the generators' control token)")
+    queue = RolloutQueue(connect(args.redis_url), args.run)
+    reconciler = WeightReconciler(queue, dict(args.generator), token)
+    stop = threading.Event()
+    # Explicitly: as a container's PID 1 the default action of SIGTERM is to ignore it (docker stop would wait
+    # out its grace period and SIGKILL).
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        follow(reconciler, args.interval, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reconciler.close()
+    return 0
+
+
+def add_rollout_command(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "rollout",
+        help="keep generators on the latest published weights (docker compose; the supervisor and operator "
+        "run this themselves)",
+    )
+    parser.add_argument("--run", required=True, help="the run's name (spec `name`): its keys in Redis")
+    parser.add_argument(
+        "--generator", type=_generator, action="append", required=True, metavar="NAME=URL",
+        help="a generator's control address, e.g. generator-0=http://generator:9000 (repeat for each)",
+    )  # fmt: skip
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between passes")
+    add_redis_url_argument(parser)
+    parser.set_defaults(handler=_rollout)

@@ -1,0 +1,320 @@
+"""The typed model of a run: one source of truth for the CLI's YAML file and (later) the custom resource.
+
+Every field has a documented default. Unknown fields, wrong types and out-of-range values are errors that
+name the field path, e.g. ``training.lr: Input should be greater than 0``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """A run spec that cannot be used; the message names the file and every bad field path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RandomInit(_Section):
+    """A tiny randomly initialised Llama with a character-level tokenizer (tests, `tiny.yaml`)."""
+
+    vocab: str = Field("abcdefghijklmnopqrstuvwxyz .,!?", min_length=2, description="Characters of the tokenizer.")
+    hidden_size: int = Field(32, ge=8, description="Model width.")
+    intermediate_size: int = Field(64, ge=8, description="MLP width.")
+    num_layers: int = Field(2, ge=1, description="Transformer layers.")
+    num_heads: int = Field(2, ge=1, description="Attention heads (hidden_size must divide by it).")
+    max_position_embeddings: int = Field(256, ge=16, description="Longest prompt + response.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> RandomInit:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        return self
+
+
+class PolicySpec(_Section):
+    """Where the initial policy comes from. Exactly one of `path` and `random_init`."""
+
+    path: str | None = Field(
+        None,
+        description="Hugging Face model folder, or `package:NAME` for the folder of an installed Python package.",
+    )
+    gguf_file: str | None = Field(None, description="GGUF file inside `path` to load (dequantised to float32).")
+    random_init: RandomInit | None = Field(None, description="Build a tiny random model instead of loading one.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PolicySpec:
+        if (self.path is None) == (self.random_init is None):
+            raise ValueError("set exactly one of path and random_init")
+        if self.gguf_file and self.path is None:
+            raise ValueError("gguf_file needs path")
+        return self
+
+
+class RewardSpec(_Section):
+    """The reward model served by Triton as model `reward`."""
+
+    type: Literal["vader", "hf_classifier", "python"] = Field(
+        "vader",
+        description="vader: VADER compound sentiment in [-1, 1]; hf_classifier: a sequence classifier from "
+        "`path`; python: the callable `function`.",
+    )
+    path: str | None = Field(None, description="hf_classifier: local model folder.")
+    label: int = Field(-1, description="hf_classifier: index of the logit used as reward (-1: the last).")
+    function: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="python: `module:function`, called as f(prompts, responses, **kwargs) -> list of floats.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="python: keyword arguments of `function`; hf_classifier: `input` (pair or response), "
+        "`batch_size`, `max_length`.",
+    )
+    max_batch_size: int = Field(64, ge=1, description="Triton's largest dynamic batch.")
+    max_queue_delay_us: int = Field(2000, ge=0, description="Triton dynamic batcher's wait for a fuller batch.")
+    timeout_s: float = Field(60.0, gt=0, description="Client timeout of one reward request.")
+    max_retries: int = Field(5, ge=0, description="Client retries (exponential back-off) before giving up.")
+
+    @model_validator(mode="after")
+    def _needs(self) -> RewardSpec:
+        if self.type == "hf_classifier" and not self.path:
+            raise ValueError("type hf_classifier needs path")
+        if self.type == "python" and not self.function:
+            raise ValueError("type python needs function")
+        return self
+
+
+class DataSpec(_Section):
+    """The prompts the trainer feeds, and how they are tokenised."""
+
+    prompts: str = Field(
+        ...,
+        description="Prompt file: JSON lines with a `prompt` field, or plain text with one prompt per line.",
+    )
+    chat_template: bool = Field(True, description="Wrap each prompt in the tokenizer's chat template.")
+    system_prompt: str | None = Field(None, description="System message for the chat template (None: none).")
+    max_prompt_tokens: int = Field(
+        128, ge=1, description="Longer prompts are truncated from the left, or skipped (`on_long_prompt`)."
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error",
+        description="What a malformed prompt line does: error stops with file:line; skip leaves it out with a "
+        "warning naming file:line, and counts it.",
+    )
+    on_long_prompt: Literal["truncate", "skip"] = Field(
+        "truncate",
+        description="A prompt longer than max_prompt_tokens: truncate keeps its last tokens (and BOS); skip "
+        "takes the next prompt instead (metrics `data/truncated_prompts`, `data/skipped_long_prompts`).",
+    )
+
+
+class AlgorithmSpec(_Section):
+    """REINFORCE with the RLOO baseline and a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
+
+    name: Literal["reinforce"] = Field("reinforce", description="Algorithm (PPO is planned).")
+    num_rollouts_per_prompt: int = Field(4, ge=1, description="k: samples per prompt.")
+    initial_policy_kl_penalty: float = Field(0.01, ge=0, description="beta of rewards_with_kl = r - beta*KL.")
+    use_absolute_kl: bool = Field(True, description="With kl_estimator k1, average |d_t| instead of d_t.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="k1: d; k2: d^2/2; k3: exp(-d) - 1 + d, with d = log pi - log pi_ref per token."
+    )
+    max_policy_lag: int = Field(
+        0,
+        ge=0,
+        description="0: strictly on-policy. n > 0: generators keep sampling while the trainer trains, with "
+        "weights up to n versions old, corrected by truncated importance weights.",
+    )
+    importance_weight_cap: float = Field(
+        2.0, gt=0, description="max_policy_lag > 0: cap of the per-token importance weight pi / mu."
+    )
+
+
+class GenerationSpec(_Section):
+    """Sampling by the generators."""
+
+    engine: Literal["torch"] = Field(
+        "torch", description="What samples: torch (the reference sampler, float32, a KV cache in PyTorch)."
+    )
+    max_new_tokens: int = Field(48, ge=1, description="Response length limit; a response that hits it did not end.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use the same scaling).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: off).")
+    stop_strings: list[str] = Field(default_factory=list, description="A response ends after any of these.")
+    num_generators: int = Field(1, ge=1, description="Generator processes the supervisor starts.")
+    batch_prompts: int = Field(8, ge=1, description="Prompts a generator samples together (times k sequences).")
+    reclaim_idle_s: float = Field(
+        60.0, gt=0, description="A prompt unacknowledged this long (its generator died) is taken over by another."
+    )
+
+
+class TrainingSpec(_Section):
+    """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
+
+    steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
+    num_ranks: int = Field(1, ge=1, description="Data-parallel trainer processes (torchrun; gloo on CPU, NCCL on GPU).")
+    micro_batch_prompts: int = Field(
+        2,
+        ge=1,
+        description="Prompts (whole groups of k sequences) per forward/backward; gradients accumulate.",
+    )
+    lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+
+
+class WeightsSpec(_Section):
+    """How weight versions travel from the trainer to the generators."""
+
+    transport: Literal["file", "http"] = Field(
+        "file",
+        description="file: generators read the run folder (a shared volume); http: they stream each version "
+        "from the trainer's weight endpoint. Both check the sha256 before loading.",
+    )
+    keep_versions: int = Field(3, ge=1, description="Published versions kept on the trainer's disk.")
+
+
+class RestartSpec(_Section):
+    """How the local supervisor restarts a crashed component (Kubernetes' restart policy does it on a cluster)."""
+
+    max_restarts: int = Field(3, ge=0, description="Restarts of one component before the run gives up (0: none).")
+    backoff_s: float = Field(1.0, gt=0, description="Wait before the first restart; doubles with each restart.")
+    max_backoff_s: float = Field(30.0, gt=0, description="Longest wait between restarts.")
+
+
+class RunSpec(_Section):
+    """A whole run: `reinforce run SPEC.yaml`."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="Run name (a DNS label); namespaces the run's Redis keys.",
+    )
+    seed: int = Field(0, ge=0, description="Seeds data order, model init and sampling.")
+    run_dir: str | None = Field(None, description="Run folder (default: runs/<name>).")
+    policy: PolicySpec
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    data: DataSpec
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    generation: GenerationSpec = Field(default_factory=GenerationSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    restart: RestartSpec = Field(default_factory=RestartSpec)
+
+    @model_validator(mode="after")
+    def _groups_split_evenly_across_ranks(self) -> RunSpec:
+        t = self.training
+        if t.prompts_per_step % t.num_ranks:
+            raise ValueError(
+                f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of training.num_ranks "
+                f"({t.num_ranks}): every rank trains the same number of whole prompt groups"
+            )
+        return self
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    # pydantic puts validator/union tags in loc ("function-after[...]"); users want only the data path.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+    return ".".join(parts) or "(top level)"
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid run spec"]
+    for e in err.errors():
+        lines.append(f"  {_field_path(e['loc'])}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: Any, source: str = "spec") -> RunSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a run spec must be a mapping, got {type(data).__name__}")
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, source)) from None
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read run spec: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from None
+    return parse_spec(data, str(path))
+
+
+def dump_spec(spec: RunSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] = ()) -> str:
+    """A spec reference table of the README, generated from the model (tests check the README is current)."""
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    _reference_rows(model, "", rows, skip)
+    return "\n".join(rows)
+
+
+def _reference_rows(
+    model: type[BaseModel], prefix: str, rows: list[str], skip: tuple[str, ...] = (), seen: dict | None = None
+) -> None:
+    seen = {} if seen is None else seen  # section class -> where its fields are listed (each only once)
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        path = prefix + name
+        annotation = field.annotation
+        sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
+        default = "required" if field.is_required() else _default_text(field)
+        if not sections:
+            meaning = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{path}` | {_type_text(annotation)} | {default} | {meaning} |")
+            continue
+        section = sections[0]
+        # a list or dict of sections lists one element's fields under [] or <key>
+        kind = {list: "list of sections", dict: "map of sections"}.get(getattr(annotation, "__origin__", None))
+        element = path + {"list of sections": "[]", "map of sections": ".<name>"}.get(kind or "", "")
+        meaning = field.description or section.__doc__.strip().splitlines()[0]
+        if section in seen:
+            meaning += f" Fields as `{seen[section]}`."
+        rows.append(f"| `{path}` | {kind or 'section'} | {default} | {meaning} |")
+        if section not in seen:
+            seen[section] = element
+            _reference_rows(section, element + ".", rows, seen=seen)
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, _Section)
+
+
+def _default_text(field: Any) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "defaults" if isinstance(value, _Section) else f"`{value!r}`"
+    return f"`{field.default!r}`"
+
+
+def _type_text(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return f"`{text}`".replace("|", "\\|")

@@ -1,0 +1,399 @@
+"""Weight versions: published by the trainer as safetensors with a sha256, loaded by generators after checking it.
+
+Version v is the policy after v optimizer steps; version 0 is the initial policy.
+
+A WeightVersion's uri is either a file path (trainer and generators share the run folder) or an http(s) URL
+served by the trainer's WeightServer (on Kubernetes they may share no volume):
+
+    trainer:    server = WeightServer(weights_dir, token=t); server.start()
+                publish(model, weights_dir, v, base_url=server.base_url(pod_ip))
+    generator:  load_verified(engine.load_weights, weights, cache_dir=local_dir, token=t)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+import socket
+import socketserver
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+import torch
+from safetensors.torch import load_model, save_model
+
+from reinforce.core.records_pb2 import WeightVersion
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 1 << 20
+WEIGHTS_ROUTE = "/v1/weights/"
+# The only names ever served: what weight_path writes. Matched against the raw request target, never a decoded
+# one, so "..", "%2F", "%00", query strings and other files of the folder (.tmp) cannot get through.
+_FILE_NAME = re.compile(r"v[0-9]{6,12}\.safetensors")
+_REQUEST_TARGET = re.compile(re.escape(WEIGHTS_ROUTE) + r"(" + _FILE_NAME.pattern + r")")
+
+# A fetch is retried on connection errors, truncated bodies and 5xx (a trainer pod restarting), not on 4xx.
+_RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+_HTTP_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+
+
+class WeightError(RuntimeError):
+    """A weight file that is missing, corrupted or does not fit the model."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What one load cost (exported by the generator as metrics).
+
+    num_bytes: bytes read (file) or transferred (http). fetch_seconds: reading and hashing the file, or
+    downloading and hashing it in the same pass. load_seconds: copying the verified file into the model.
+    """
+
+    num_bytes: int
+    fetch_seconds: float
+    load_seconds: float
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weight_path(weights_dir: Path, version: int) -> Path:
+    return weights_dir / f"v{version:06d}.safetensors"
+
+
+def publish(
+    model: torch.nn.Module, weights_dir: Path, version: int, keep: int = 3, base_url: str | None = None
+) -> WeightVersion:
+    """Write version `version` atomically (readers never see a partial file) and prune old versions.
+
+    The uri is the file's absolute path, or `{base_url}/v1/weights/{file}` when the trainer serves the folder
+    with a WeightServer (see WeightServer.base_url).
+    """
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    path = weight_path(weights_dir, version)
+    tmp = path.with_suffix(".tmp")
+    # save_model (not save_file) because tied embeddings share storage, which save_file refuses.
+    save_model(model, str(tmp), metadata={"version": str(version)})
+    digest = sha256_of(tmp)
+    os.replace(tmp, path)
+    _prune(weights_dir, keep_from=version - keep + 1)
+    uri = f"{base_url.rstrip('/')}{WEIGHTS_ROUTE}{path.name}" if base_url else str(path.resolve())
+    return WeightVersion(
+        version=version,
+        uri=uri,
+        sha256=digest,
+        num_bytes=path.stat().st_size,
+        published_at=time.time(),
+    )
+
+
+def _prune(weights_dir: Path, keep_from: int) -> None:
+    for old in weights_dir.glob("v*.safetensors"):
+        if int(old.stem[1:]) < keep_from:
+            old.unlink(missing_ok=True)
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+
+
+def load_verified(
+    load: Callable[[Path], None], weights: WeightVersion, cache_dir: Path | None = None, token: str | None = None
+) -> LoadStats:
+    """Call `load(path)` on a published version's file, refusing it unless its sha256 matches.
+
+    `load` loads a safetensors file of the policy in place (an engine's `load_weights`, or `module_loader(model)`).
+    An http(s) uri is streamed into a temporary file in `cache_dir` (required then) while it is hashed, checked,
+    loaded and deleted; `token` is sent as a bearer token. The caller swaps between batches, so a refused file
+    leaves the previous version serving: `load` is called only after the digest matched.
+    """
+    if weights.uri.startswith(("http://", "https://")):
+        return _load_http(load, weights, cache_dir, token)
+    return _load_file(load, weights)
+
+
+def module_loader(model: torch.nn.Module) -> Callable[[Path], None]:
+    """A `load` for load_verified: the file's tensors into `model` in place, every name and shape as the model's."""
+
+    def load(path: Path) -> None:
+        missing, unexpected = load_model(model, str(path), strict=True)
+        if missing or unexpected:
+            raise WeightError(f"missing {missing}, unexpected {unexpected}")
+
+    return load
+
+
+def _load_file(load: Callable[[Path], None], weights: WeightVersion) -> LoadStats:
+    path = Path(weights.uri)
+    if not path.is_file():
+        raise WeightError(f"weight version {weights.version}: file {path} does not exist")
+    start = time.perf_counter()
+    digest = sha256_of(path)
+    fetched = time.perf_counter()
+    _check_digest(weights, str(path), digest)
+    _load_into(load, weights, path)
+    return LoadStats(path.stat().st_size, fetched - start, time.perf_counter() - fetched)
+
+
+def _load_http(
+    load: Callable[[Path], None], weights: WeightVersion, cache_dir: Path | None, token: str | None
+) -> LoadStats:
+    if cache_dir is None:
+        raise ValueError(f"weight version {weights.version}: an http uri needs a cache_dir to download into")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f"v{weights.version:06d}-", suffix=".part", dir=cache_dir)
+    tmp = Path(name)
+    try:
+        start = time.perf_counter()
+        with os.fdopen(fd, "wb") as out:
+            num_bytes, digest = _download(weights, token, out)
+        fetched = time.perf_counter()
+        _check_digest(weights, weights.uri, digest)
+        _load_into(load, weights, tmp)
+        return LoadStats(num_bytes, fetched - start, time.perf_counter() - fetched)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_digest(weights: WeightVersion, source: str, digest: str) -> None:
+    if digest != weights.sha256:
+        v = weights.version
+        raise WeightError(f"weight version {v}: sha256 of {source} is {digest}, expected {weights.sha256}")
+
+
+def _load_into(load: Callable[[Path], None], weights: WeightVersion, path: Path) -> None:
+    try:
+        load(path)
+    except Exception as err:  # safetensors raises several types for a truncated or alien file
+        raise WeightError(f"weight version {weights.version}: cannot load {weights.uri}: {err}") from err
+
+
+class _Transient(Exception):
+    """A failed fetch worth retrying: the connection broke, the body was cut short, or the server said 5xx."""
+
+
+def _download(weights: WeightVersion, token: str | None, out: BinaryIO) -> tuple[int, str]:
+    """Stream weights.uri into `out`, hashing as it goes; (bytes, sha256 hex). Retries with back-off."""
+    # identity: the sha256 and Content-Length are of the file's bytes, so no proxy may compress them
+    headers = {"Accept-Encoding": "identity"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    with httpx.Client(timeout=_HTTP_TIMEOUT, headers=headers) as client:
+        for attempt, delay in enumerate((*_RETRY_BACKOFF_S, None), start=1):
+            try:
+                return _download_once(client, weights, out)
+            except _Transient as err:
+                if delay is None:
+                    raise WeightError(
+                        f"weight version {weights.version}: cannot fetch {weights.uri} after {attempt} attempts: {err}"
+                    ) from err
+                log.warning("weight version %d: fetch attempt %d failed (%s); retrying", weights.version, attempt, err)
+                time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _download_once(client: httpx.Client, weights: WeightVersion, out: BinaryIO) -> tuple[int, str]:
+    out.seek(0)
+    out.truncate()  # a retry starts over: no Range requests, the whole file is hashed in one pass
+    digest = hashlib.sha256()
+    num_bytes = 0
+    try:
+        with client.stream("GET", weights.uri) as response:
+            _check_status(weights, response)
+            for chunk in response.iter_raw():
+                num_bytes += len(chunk)
+                _check_not_too_long(weights, num_bytes)
+                digest.update(chunk)
+                out.write(chunk)
+            expected = response.headers.get("content-length")
+    except httpx.TransportError as err:
+        raise _Transient(f"{type(err).__name__}: {err}") from err
+    if expected is not None and num_bytes != int(expected):
+        raise _Transient(f"body cut short: {num_bytes} of {expected} bytes")
+    return num_bytes, digest.hexdigest()
+
+
+def _check_status(weights: WeightVersion, response: httpx.Response) -> None:
+    code = response.status_code
+    if code == 200:
+        return
+    if code >= 500:
+        raise _Transient(f"HTTP {code}")
+    if code == 404:
+        reason = "not found (pruned, or never published here)"
+    elif code in (401, 403):
+        reason = "unauthorized (missing or wrong weight token)"
+    else:
+        reason = "unexpected answer"
+    raise WeightError(f"weight version {weights.version}: {weights.uri}: HTTP {code}, {reason}")
+
+
+def _check_not_too_long(weights: WeightVersion, num_bytes: int) -> None:
+    # Stop a wrong or hostile server early rather than filling the generator's disk before the sha256 check.
+    if weights.num_bytes and num_bytes > weights.num_bytes:
+        raise WeightError(
+            f"weight version {weights.version}: {weights.uri} sent more than the published {weights.num_bytes} bytes"
+        )
+
+
+# ---- serving ------------------------------------------------------------------------------------------------
+
+
+class WeightServer:
+    """Serves the published `v*.safetensors` files of `weights_dir` at GET /v1/weights/{file}, in a thread.
+
+    The standard library's ThreadingHTTPServer: one thread per download, and the body goes out with
+    sendfile(2), so a 540 MB file is never read into Python memory. With `token`, every request needs
+    `Authorization: Bearer <token>` (401 otherwise), checked before the path so unauthenticated clients learn
+    nothing about which versions exist.
+    """
+
+    def __init__(self, weights_dir: Path, host: str = "0.0.0.0", port: int = 0, token: str | None = None) -> None:
+        self.weights_dir = weights_dir.resolve()
+        self.host = host
+        self.requested_port = port
+        self.token = token
+        self._server: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("WeightServer is not started")
+        return self._server.server_address[1]
+
+    def start(self) -> int:
+        """Bind, serve in a daemon thread, and return the bound port (useful with port=0)."""
+        if self._server is not None:
+            raise RuntimeError("WeightServer already started")
+        server = _HTTPServer((self.host, self.requested_port), _WeightHandler)
+        server.weights_dir = self.weights_dir
+        server.expected_auth = f"Bearer {self.token}".encode() if self.token else None
+        self._server = server
+        # a short poll interval only so that stop() returns promptly; the wake-ups cost nothing measurable
+        self._thread = threading.Thread(target=server.serve_forever, args=(0.05,), name="weight-server", daemon=True)
+        self._thread.start()
+        log.info("serving %s on %s:%d", self.weights_dir, self.host, self.port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+        self._server, self._thread = None, None
+
+    def base_url(self, advertise_host: str) -> str:
+        """What generators reach this server at, e.g. the pod IP or a Service name; pass it to publish()."""
+        host = f"[{advertise_host}]" if ":" in advertise_host and not advertise_host.startswith("[") else advertise_host
+        return f"http://{host}:{self.port}"
+
+    def url_for(self, path: Path, advertise_host: str) -> str:
+        """The WeightVersion.uri of a published file of weights_dir."""
+        if not _FILE_NAME.fullmatch(path.name):
+            raise ValueError(f"{path.name} is not a published weight file name")
+        return f"{self.base_url(advertise_host)}{WEIGHTS_ROUTE}{path.name}"
+
+    def __enter__(self) -> WeightServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a stalled download must not keep the trainer from exiting
+    weights_dir: Path
+    expected_auth: bytes | None
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls socket.getfqdn, a reverse DNS lookup that can hang in a pod.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+
+class _WeightHandler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"
+    timeout = 60  # per socket operation: a client that stops reading frees its thread
+
+    def do_GET(self) -> None:
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(send_body=False)
+
+    def _serve(self, send_body: bool) -> None:
+        if not self._authorized():
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        match = _REQUEST_TARGET.fullmatch(self.path)
+        fd = self._open(match.group(1)) if match else None
+        if fd is None:
+            self.send_error(404)
+            return
+        with os.fdopen(fd, "rb") as f:
+            self._send_file(f, send_body)
+
+    def _authorized(self) -> bool:
+        expected = self.server.expected_auth
+        if expected is None:
+            return True
+        got = self.headers.get("Authorization", "").encode()
+        return hmac.compare_digest(got, expected)
+
+    def _open(self, name: str) -> int | None:
+        """An open descriptor of weights_dir/name, or None. Opening first means pruning cannot cut a download."""
+        try:
+            # O_NOFOLLOW: a symlink planted in the folder cannot point the server at another file.
+            fd = os.open(self.server.weights_dir / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return fd
+
+    def _send_file(self, f: BinaryIO, send_body: bool) -> None:
+        size = os.fstat(f.fileno()).st_size
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        if not send_body:
+            return
+        try:
+            self.connection.sendfile(f, 0, size)
+        except OSError as err:  # the client went away (a restarting generator): nothing to clean up
+            log.debug("weight download of %s ended early: %s", self.path, err)
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)

@@ -1,0 +1,3 @@
+from reinforce.generator.worker import main
+
+main()

@@ -1,0 +1,43 @@
+"""The generation-engine seam: what a generator needs from whatever samples its responses.
+
+An engine samples k responses per prompt with each sampled token's log-prob, and loads weight versions in place.
+Implementations, chosen by `generation.engine`: `torch` (torch_engine.py, the reference), `vllm` and
+`tensorrt_llm`. Whatever the engine, a prompt's samples depend only on (weights, prompt, its seed), so a prompt
+re-sampled after a crash repeats itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from reinforce.core.spec import GenerationSpec
+
+
+@dataclass
+class SampledSequence:
+    token_ids: list[int]
+    logprobs: list[float]  # log pi(y_t) of each sampled token under the engine's weights, temperature-scaled
+    is_end: bool  # ended with EOS or a stop string (not cut by max_new_tokens)
+    text: str  # decoded response, special tokens skipped
+
+
+class GenerationEngine(ABC):
+    """Samples k responses per prompt with per-token log-probs, and loads weight versions in place."""
+
+    name: ClassVar[str]
+
+    def __init__(self, policy_dir: Path, generation: GenerationSpec, num_samples: int) -> None:
+        self.policy_dir = policy_dir
+        self.generation = generation
+        self.num_samples = num_samples
+
+    @abstractmethod
+    def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[list[SampledSequence]]:
+        """For each prompt (token ids), `num_samples` responses drawn under the prompt's seed."""
+
+    @abstractmethod
+    def load_weights(self, path: Path) -> None:
+        """Load a verified safetensors file (the whole policy, Hugging Face parameter names) in place."""

@@ -1,0 +1,274 @@
+"""The generator: a pull-based worker that samples k responses per prompt, scores them and pushes the group.
+
+    python -m reinforce.generator --spec RUN_DIR/spec.yaml --redis-url URL --reward-url URL --port N --id NAME
+
+Control plane (FastAPI, on --port): GET /healthz, GET /readyz, GET /metrics (Prometheus),
+GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between
+batches). A prompt names the oldest weight version allowed to sample it (strictly on-policy: its step's own
+version); it waits, unacknowledged, until such a version is loaded, and a stale prompt (its step already
+trained, or enqueued by a trainer that restarted from an earlier checkpoint) is acknowledged without work.
+Every sample of a group comes from one version, which the group records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException, Response
+from google.protobuf.json_format import ParseDict, ParseError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from reinforce.core.metrics import GeneratorMetrics
+from reinforce.core.models import materialize_policy
+from reinforce.core.names import CONTROL_TOKEN_ENV
+from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
+from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
+from reinforce.core.reward_client import RewardClient
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.weights import WeightError, load_verified
+from reinforce.generator.engines import build_engine
+
+log = logging.getLogger("reinforce.generator")
+
+
+@dataclass
+class WeightState:
+    """What the control plane and the worker loop share, under one lock."""
+
+    loaded: int = 0
+    loads: int = 0  # versions loaded since the process started
+    desired: WeightVersion | None = None
+    last_error: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Generator:
+    def __init__(self, spec: RunSpec, redis_url: str, reward_url: str, name: str, token: str = "") -> None:
+        self.spec = spec
+        self.name = name
+        self.token = token  # also the trainer's weight endpoint's (weights.transport http)
+        paths = RunPaths(spec.resolved_run_dir())
+        # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns)
+        materialize_policy(spec.policy, paths.initial_policy, spec.seed)
+        self.engine = build_engine(spec.generation, paths.initial_policy, spec.algorithm.num_rollouts_per_prompt)
+        log.info("generation engine: %s", self.engine.name)
+        self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads
+        self.queue = RolloutQueue(connect(redis_url), spec.name)
+        self.queue.ensure_groups()
+        self.reward = RewardClient.from_spec(reward_url, spec.reward)
+        self.weights = WeightState()
+        self.metrics = GeneratorMetrics()
+        self.held: list[tuple[str, Prompt]] = []  # prompts waiting for a newer weight version
+        self.stopping = threading.Event()
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def request_weights(self, weights: WeightVersion) -> None:
+        # The latest request wins, older or newer: a trainer resumed from a checkpoint rolls the version back.
+        with self.weights.lock:
+            self.weights.desired = weights
+
+    def apply_desired_weights(self) -> None:
+        """Between batches: load the desired version if it differs; a bad file leaves the old one serving."""
+        with self.weights.lock:
+            desired = self.weights.desired
+            if desired is None or desired.version == self.weights.loaded:
+                return
+        start = time.perf_counter()
+        try:
+            stats = load_verified(self.engine.load_weights, desired, cache_dir=self.weight_cache, token=self.token)
+        except WeightError as err:
+            log.error("refusing weights: %s", err)
+            with self.weights.lock:
+                self.weights.last_error = str(err)
+                self.weights.desired = None  # wait for a new request rather than re-reading a bad file
+            return
+        self.metrics.weight_load_seconds.set(time.perf_counter() - start)
+        self.metrics.weight_fetch_seconds.set(stats.fetch_seconds)
+        self.metrics.weight_bytes.inc(stats.num_bytes)
+        self.metrics.weight_version.set(desired.version)
+        with self.weights.lock:
+            self.weights.loaded = desired.version
+            self.weights.loads += 1
+            self.weights.last_error = ""
+        log.info("loaded weight version %d in %.2fs", desired.version, time.perf_counter() - start)
+
+    # ---- work loop ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.reward.wait_ready(deadline_s=300)
+        # A restarted generator (same name) first takes back the prompts its previous life had not finished.
+        self.held = self.queue.read_prompts(self.name, count=10_000, block_ms=0, pending=True)
+        next_reclaim = time.monotonic()
+        while not self.stopping.is_set():
+            self.apply_desired_weights()
+            if time.monotonic() >= next_reclaim:
+                self.held += self.reclaim_from_dead_generators()
+                next_reclaim = time.monotonic() + self.spec.generation.reclaim_idle_s / 4
+            # short blocks while prompts wait for weights, so a new version is picked up promptly
+            block_ms = 20 if self.held else 200
+            fresh = self.queue.read_prompts(self.name, count=self.spec.generation.batch_prompts, block_ms=block_ms)
+            ready, self.held = self.split_by_version(self.held + fresh)
+            if ready:
+                self.process(ready)
+
+    def reclaim_from_dead_generators(self) -> list[tuple[str, Prompt]]:
+        idle_ms = int(self.spec.generation.reclaim_idle_s * 1000)
+        claimed = self.queue.reclaim_prompts(self.name, min_idle_ms=idle_ms, count=self.spec.generation.batch_prompts)
+        held = {entry_id for entry_id, _ in self.held}
+        claimed = [e for e in claimed if e[0] not in held]  # our own held prompts are idle too
+        if claimed:
+            log.info("reclaimed %d prompts from a generator that stopped answering", len(claimed))
+        return claimed
+
+    def split_by_version(self, entries: list[tuple[str, Prompt]]) -> tuple[list, list]:
+        """(ready to sample, waiting for weights); stale prompts are acknowledged and dropped.
+
+        With P the published version, a prompt of step s naming oldest version m is stale when s < P (its
+        step is trained) or m > P (enqueued by a trainer that then restarted from an earlier checkpoint). It is
+        ready when m <= loaded <= P; on-policy m = s = P, so only the published version itself samples it.
+        """
+        if not entries:
+            return [], []
+        # The trainer publishes a version before it enqueues prompts that need it.
+        latest = self.queue.latest_weights()
+        published = latest.version if latest is not None else 0
+        stale = [entry_id for entry_id, p in entries if p.step < published or p.policy_version > published]
+        if stale:
+            log.info("dropping %d stale prompts (published version is %d)", len(stale), published)
+            self.queue.ack_prompts(stale)
+        live = [e for e in entries if e[0] not in set(stale)]
+        loaded = self.weights.loaded
+        ready = [e for e in live if e[1].policy_version <= loaded <= published]
+        return ready, [e for e in live if e not in ready]
+
+    def process(self, entries: list[tuple[str, Prompt]]) -> None:
+        prompts = [p for _, p in entries]
+        version = self.weights.loaded
+        start = time.perf_counter()
+        sampled = self.engine.sample([list(p.token_ids) for p in prompts], [p.seed for p in prompts])
+        generate_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        texts = [s.text for seqs in sampled for s in seqs]
+        rewards = self.reward.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
+        reward_seconds = time.perf_counter() - start
+        rewards_iter = iter(rewards)
+        for (entry_id, prompt), seqs in zip(entries, sampled, strict=True):
+            group = RolloutGroup(
+                prompt_id=prompt.id,
+                step=prompt.step,
+                policy_version=version,
+                prompt_text=prompt.text,
+                prompt_token_ids=prompt.token_ids,
+                generator_id=self.name,
+                # each group's share of the batch's time, so a step's sum is the generators' busy time
+                generate_seconds=generate_seconds / len(entries),
+                reward_seconds=reward_seconds / len(entries),
+                samples=[
+                    Sample(
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        reward=next(rewards_iter),
+                        is_end=s.is_end,
+                        text=s.text,
+                    )
+                    for s in seqs
+                ],
+            )
+            self.queue.put_rollout(group)
+            self.queue.ack_prompts([entry_id])  # the group is on the stream: the prompt's work is durable
+        self.count(sampled, rewards, generate_seconds, reward_seconds)
+
+    def count(self, sampled: list, rewards: list[float], generate_s: float, reward_s: float) -> None:
+        sequences = [s for seqs in sampled for s in seqs]
+        self.metrics.prompts.inc(len(sampled))
+        self.metrics.samples.inc(len(sequences))
+        self.metrics.tokens.inc(sum(len(s.token_ids) for s in sequences))
+        self.metrics.generate_seconds.inc(generate_s)
+        self.metrics.reward_seconds.inc(reward_s)
+        self.metrics.batch_size.observe(len(sequences))
+        self.metrics.nonfinite_rewards.inc(sum(not math.isfinite(r) for r in rewards))
+
+
+def control_plane(gen: Generator, token: str) -> FastAPI:
+    """Probes and metrics are open; the weight endpoints demand `Authorization: Bearer <token>`."""
+    app = FastAPI(title=f"reinforce generator {gen.name}")
+    expected = f"Bearer {token}".encode()
+
+    def authorized(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(status_code=401, detail="missing or wrong control token")
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    def readyz(response: Response) -> dict:
+        ready = not gen.stopping.is_set()
+        response.status_code = 200 if ready else 503
+        return {"ready": ready, "weight_version": gen.weights.loaded}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(gen.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/weights", dependencies=[Depends(authorized)])
+    def get_weights() -> dict:
+        with gen.weights.lock:
+            desired = gen.weights.desired.version if gen.weights.desired else None
+            return {
+                "loaded_version": gen.weights.loaded,
+                "loads": gen.weights.loads,
+                "desired_version": desired,
+                "last_error": gen.weights.last_error,
+            }
+
+    @app.post("/v1/weights", status_code=202, dependencies=[Depends(authorized)])
+    def post_weights(body: dict, response: Response) -> dict:
+        try:
+            weights = ParseDict(body, WeightVersion())
+        except ParseError as err:
+            response.status_code = 422
+            return {"error": f"not a WeightVersion: {err}"}
+        gen.request_weights(weights)
+        return {"accepted_version": weights.version}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reinforce.generator", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
+    add_redis_url_argument(parser)
+    parser.add_argument("--reward-url", required=True, help="Triton HTTP address of the reward server")
+    parser.add_argument("--port", type=int, required=True, help="control plane port")
+    parser.add_argument("--id", required=True, help="consumer name in the prompts stream's group")
+    args = parser.parse_args(argv)
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    if not token:
+        parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
+    torch.set_grad_enabled(False)
+    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, token)
+    config = uvicorn.Config(control_plane(gen, token), host="0.0.0.0", port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: gen.stopping.set())
+    try:
+        gen.run()
+    finally:
+        server.should_exit = True
+        shutil.rmtree(gen.weight_cache, ignore_errors=True)

@@ -1,0 +1,459 @@
+"""The Kubernetes objects of one ReinforceRun, as plain manifests (the operator applies them).
+
+For a run R in namespace N:
+
+- ConfigMap ``R-spec``: the run spec the services read (``/etc/reinforce/spec.yaml``).
+- Secret ``R-secrets``: the generators' control token and, with the run's own Redis, its password and URL.
+- PersistentVolumeClaim ``R-data``: the run folder of the trainer (checkpoints, weights, final model).
+- StatefulSet + Service ``R-redis`` (AOF on a volume), unless ``kubernetes.external_redis_secret`` names one.
+- Deployment + Service ``R-reward``: the Triton reward server.
+- Deployment ``R-generator``: ``generation.num_generators`` replicas.
+- StatefulSet + headless Service ``R-trainer``: one pod per ``training.num_ranks``; torchrun's rendezvous is
+  pod 0 through that Service.
+
+Every object carries the run's labels and an ownerReference to the run (controller), so deleting the run
+deletes them. These builders are pure functions of the run: the operator's reconcile is "apply them all".
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from reinforce.core import launch
+from reinforce.core.names import (
+    COMPONENTS,
+    CONTROL_TOKEN_ENV,
+    HEALTH_PATH,
+    K8S_COMPONENT_LABEL,
+    K8S_INSTANCE_LABEL,
+    POD_NAME_ENV,
+    REDIS_URL_ENV,
+    REWARD_LIVE_PATH,
+)
+from reinforce.core.spec import _Section, dump_spec
+from reinforce.operator.resource import GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
+
+SPEC_DIR = "/etc/reinforce"
+DATA_DIR = "/data"
+RUN_DIR = f"{DATA_DIR}/run"
+SPEC_FILE = f"{SPEC_DIR}/spec.yaml"
+REDIS_URL_KEY = "url"  # the key of the Secret holding a redis:// URL (the run's own or an external one)
+
+
+class Ports(_Section):
+    """The ports the services listen on inside their pods."""
+
+    redis: int = Field(6379, ge=1, le=65535, description="Redis.")
+    reward_http: int = Field(8000, ge=1, le=65535, description="Triton HTTP (inference, readiness).")
+    reward_grpc: int = Field(8001, ge=1, le=65535, description="Triton gRPC.")
+    reward_metrics: int = Field(8002, ge=1, le=65535, description="Triton's Prometheus metrics.")
+    generator: int = Field(8080, ge=1, le=65535, description="Control plane: health, metrics, weight loading.")
+    trainer_metrics: int = Field(9000, ge=1, le=65535, description="Trainer's Prometheus metrics (and status).")
+    trainer_weights: int = Field(9001, ge=1, le=65535, description="Trainer's weight endpoint (rank 0).")
+    rendezvous: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous on trainer pod 0.")
+
+
+class Images(_Section):
+    """Each component's image (services/reinforce/<component>/Dockerfile builds it; `make images` on this machine)."""
+
+    redis: str = Field("redis:7.0", description="The run's Redis (needs `redis-server` and `sh`).")
+    reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
+    generator: str = Field("reinforce-generator:0.1.0", description="Generators.")
+    trainer: str = Field("reinforce-trainer:0.1.0", description="Trainer.")
+
+
+class OperatorConfig(_Section):
+    """The operator's configuration: defaults for what a ReinforceRun leaves unset (`--config FILE`)."""
+
+    images: Images = Field(default_factory=Images)
+    image_pull_policy: str = Field("IfNotPresent", description="Pull policy of every container.")
+    pods: dict[str, PodSpec] = Field(
+        default_factory=dict,
+        description="Default pod settings per component (redis, reward, generator, trainer); a run's own win.",
+    )
+    ports: Ports = Field(default_factory=Ports)
+    profile: Literal["standard", "host-network"] = Field(
+        "standard",
+        description="standard: pods reach each other through Services and cluster DNS (real clusters). "
+        "host-network: every pod uses the node's network and reaches the others on 127.0.0.1, for a single-node "
+        "cluster without kube-proxy or DNS; one run per node, generator i listens on ports.generator + i.",
+    )
+
+    @field_validator("pods")
+    @classmethod
+    def _known_components(cls, pods: dict[str, PodSpec]) -> dict[str, PodSpec]:
+        unknown = set(pods) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"unknown components {sorted(unknown)}: expected some of {list(COMPONENTS)}")
+        return pods
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ReinforceRun as the builders see it."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: ReinforceRunSpec
+    config: OperatorConfig
+    stopped: bool = False  # suspended, or finished: every workload at zero replicas
+
+    def child(self, component: str) -> str:
+        return f"{self.name}-{component}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            "app.kubernetes.io/name": "reinforce",
+            K8S_INSTANCE_LABEL: self.name,
+            "app.kubernetes.io/managed-by": "reinforce-operator",
+        }
+
+    def selector(self, component: str) -> dict[str, str]:
+        return {K8S_INSTANCE_LABEL: self.name, K8S_COMPONENT_LABEL: component}
+
+    def metadata(self, name: str, component: str | None = None) -> dict[str, Any]:
+        labels = {**self.labels, **({K8S_COMPONENT_LABEL: component} if component else {})}
+        owner = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        return {"name": name, "namespace": self.namespace, "labels": labels, "ownerReferences": [owner]}
+
+    @property
+    def redis_secret(self) -> str:
+        return self.spec.kubernetes.external_redis_secret or self.child("secrets")
+
+    def replicas(self, wanted: int) -> int:
+        return 0 if self.stopped else wanted
+
+    @property
+    def host_network(self) -> bool:
+        return self.config.profile == "host-network"
+
+    def host(self, component: str) -> str:
+        """Where the other pods reach a component's Service (host-network: the node itself)."""
+        return "127.0.0.1" if self.host_network else f"{self.child(component)}.{self.namespace}.svc"
+
+
+def children(run: Run) -> list[dict[str, Any]]:
+    """Every object the run owns, in the order they are applied (what others mount or call comes first)."""
+    objects = [spec_config_map(run), secrets_secret(run), data_volume(run)]
+    if run.spec.kubernetes.external_redis_secret is None:
+        objects += [redis_volume(run), redis_service(run), redis_stateful_set(run)]
+    objects += [reward_service(run), reward_deployment(run), generator_deployment(run)]
+    objects += [trainer_service(run), trainer_stateful_set(run)]
+    return objects
+
+
+def services_spec_yaml(run: Run) -> str:
+    # On Kubernetes the generators do not share the trainer's volume: weights always go over HTTP.
+    spec = run.spec.run_spec(RUN_DIR)
+    spec = spec.model_copy(update={"weights": spec.weights.model_copy(update={"transport": "http"})})
+    return dump_spec(spec)
+
+
+def spec_config_map(run: Run) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": run.metadata(run.child("spec")),
+        "data": {"spec.yaml": services_spec_yaml(run)},
+    }
+
+
+def secrets_secret(run: Run) -> dict[str, Any]:
+    """Fresh random values: the operator creates this once and never replaces it (see CREATE_ONLY)."""
+    values = {"control-token": secrets.token_urlsafe(24)}
+    if run.spec.kubernetes.external_redis_secret is None:
+        password = secrets.token_urlsafe(24)
+        values["redis-password"] = password
+        address = f"{run.host('redis')}:{run.config.ports.redis}"
+        values[REDIS_URL_KEY] = f"redis://:{password}@{address}/0"
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": run.metadata(run.child("secrets")), "stringData": values}
+
+
+def _claim_spec(run: Run, size: str) -> dict[str, Any]:
+    claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+    if run.spec.kubernetes.storage_class:
+        claim["storageClassName"] = run.spec.kubernetes.storage_class
+    return claim
+
+
+def data_volume(run: Run) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": run.metadata(run.child("data"), "trainer"),
+        "spec": _claim_spec(run, run.spec.kubernetes.storage_size),
+    }
+
+
+def redis_volume(run: Run) -> dict[str, Any]:
+    """Redis' own claim, owned by the run like every child: a StatefulSet's volumeClaimTemplates would make a claim
+    that no owner reference ties to the run, left behind when the run is deleted (Kubernetes before 1.27)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": run.metadata(run.child("redis-data"), "redis"),
+        "spec": _claim_spec(run, run.spec.kubernetes.redis_storage_size),
+    }
+
+
+def _service(run: Run, component: str, ports: dict[str, int], headless: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": run.selector(component),
+        # protocol spelled out: server-side apply (1.20) keys the list by port and protocol
+        "ports": [{"name": name, "port": port, "targetPort": port, "protocol": "TCP"} for name, port in ports.items()],
+    }
+    if headless:
+        # DNS names for each trainer pod, published before they are ready: torchrun's rendezvous needs them.
+        spec.update(clusterIP="None", publishNotReadyAddresses=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": run.metadata(run.child(component), component),
+        "spec": spec,
+    }
+
+
+def _env_from_secret(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _service_env(run: Run) -> list[dict[str, Any]]:
+    return [
+        _env_from_secret(REDIS_URL_ENV, run.redis_secret, REDIS_URL_KEY),
+        _env_from_secret(CONTROL_TOKEN_ENV, run.child("secrets"), "control-token"),
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+
+
+def pod_settings(run: Run, component: str) -> PodSpec:
+    """The run's settings for a component's pods, over the operator's defaults (field by field)."""
+    default = run.config.pods.get(component, PodSpec())
+    mine = getattr(run.spec.kubernetes, component)
+    return PodSpec.model_validate({**default.model_dump(exclude_unset=True), **mine.model_dump(exclude_unset=True)})
+
+
+def _container(run: Run, component: str, command: list[str], ports: dict[str, int], **extra: Any) -> dict[str, Any]:
+    settings = pod_settings(run, component)
+    limits = dict(settings.limits)
+    if settings.gpus:
+        limits["nvidia.com/gpu"] = str(settings.gpus)
+    resources = {key: value for key, value in (("requests", settings.requests), ("limits", limits)) if value}
+    return {
+        "name": component,
+        "image": settings.image or getattr(run.config.images, component),
+        "imagePullPolicy": run.config.image_pull_policy,
+        "command": command,
+        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()],
+        "resources": resources,
+        **extra,
+    }
+
+
+def _pod_template(run: Run, component: str, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
+    settings = pod_settings(run, component)
+    spec: dict[str, Any] = {"containers": containers, "volumes": volumes}
+    if run.host_network:
+        spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+    if settings.node_selector:
+        spec["nodeSelector"] = settings.node_selector
+    if settings.tolerations:
+        spec["tolerations"] = [_toleration(t.model_dump(exclude_none=True)) for t in settings.tolerations]
+    return {"metadata": {"labels": {**run.labels, K8S_COMPONENT_LABEL: component}}, "spec": spec}
+
+
+def _toleration(fields: dict[str, Any]) -> dict[str, Any]:
+    if "toleration_seconds" in fields:
+        fields["tolerationSeconds"] = fields.pop("toleration_seconds")
+    return fields
+
+
+def _spec_volume(run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {"name": "spec", "configMap": {"name": run.child("spec")}}
+    return volume, {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}
+
+
+def _http_probe(path: str, port: int, period_s: int = 5) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s}
+
+
+def _python_service(service: launch.Service, **flags: object) -> list[str]:
+    return service.command("python", SPEC_FILE, **flags)
+
+
+def redis_service(run: Run) -> dict[str, Any]:
+    return _service(run, "redis", {"redis": run.config.ports.redis})
+
+
+def redis_stateful_set(run: Run) -> dict[str, Any]:
+    port = run.config.ports.redis
+    # Append-only file fsynced on every write: a Redis restart loses nothing acknowledged.
+    args = f"--port {port} --dir {DATA_DIR} --appendonly yes --appendfsync always --save '' --requirepass"
+    command = ["sh", "-c", f'exec redis-server {args} "$REDIS_PASSWORD"']
+    env = [_env_from_secret("REDIS_PASSWORD", run.child("secrets"), "redis-password")]
+    container = _container(
+        run, "redis", command, {"redis": port},
+        env=env,
+        volumeMounts=[{"name": "data", "mountPath": DATA_DIR}],
+        readinessProbe={"tcpSocket": {"port": port}, "periodSeconds": 5},
+    )  # fmt: skip
+    volume = {"name": "data", "persistentVolumeClaim": {"claimName": run.child("redis-data")}}
+    return _stateful_set(run, "redis", 1, _pod_template(run, "redis", [container], [volume]))
+
+
+def reward_service(run: Run) -> dict[str, Any]:
+    p = run.config.ports
+    return _service(run, "reward", {"http": p.reward_http, "grpc": p.reward_grpc, "metrics": p.reward_metrics})
+
+
+def reward_deployment(run: Run) -> dict[str, Any]:
+    p = run.config.ports
+    command = _python_service(
+        launch.REWARD, http_port=p.reward_http, grpc_port=p.reward_grpc, metrics_port=p.reward_metrics
+    )
+    volume, mount = _spec_volume(run)
+    container = _container(
+        run, "reward", command, {"http": p.reward_http, "grpc": p.reward_grpc, "metrics": p.reward_metrics},
+        volumeMounts=[mount],
+        readinessProbe=_http_probe(launch.REWARD.ready_path, p.reward_http),
+        livenessProbe={**_http_probe(REWARD_LIVE_PATH, p.reward_http, 10), "initialDelaySeconds": 30},
+    )  # fmt: skip
+    return _deployment(run, "reward", 1, _pod_template(run, "reward", [container], [volume]))
+
+
+def generator_deployment(run: Run) -> dict[str, Any]:
+    """A Deployment; in the host-network profile a StatefulSet, whose pod ordinal i gives the port base + i."""
+    p = run.config.ports
+    reward_url = f"http://{run.host('reward')}:{p.reward_http}"
+    volume, mount = _spec_volume(run)
+    volumes = [volume, {"name": "cache", "emptyDir": {}}]
+    mounts = [mount, {"name": "cache", "mountPath": DATA_DIR}]
+    replicas = run.spec.generation.num_generators
+    if not run.host_network:
+        command = _python_service(launch.GENERATOR, reward_url=reward_url, port=p.generator, id=f"$({POD_NAME_ENV})")
+        container = _container(
+            run, "generator", command, {"control": p.generator},
+            env=_service_env(run),
+            volumeMounts=mounts,
+            readinessProbe=_http_probe(launch.GENERATOR.ready_path, p.generator),
+            livenessProbe={**_http_probe(HEALTH_PATH, p.generator, 10), "initialDelaySeconds": 60},
+        )  # fmt: skip
+        return _deployment(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
+    port = f"$(({p.generator} + ${{POD_NAME##*-}}))"
+    generator = _python_service(launch.GENERATOR, reward_url=reward_url, port=port, id=f"${POD_NAME_ENV}")
+    probe = {
+        "exec": {
+            "command": ["python", "-c", _READY_BY_ORDINAL.format(base=p.generator, path=launch.GENERATOR.ready_path)]
+        },
+        "periodSeconds": 5,
+    }
+    container = _container(
+        run, "generator", ["sh", "-c", "exec " + " ".join(generator)], {},
+        env=_service_env(run),
+        volumeMounts=mounts,
+        readinessProbe=probe,
+    )  # fmt: skip
+    return _stateful_set(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
+
+
+# host-network readiness: the port depends on the pod's ordinal, which a probe's fixed port cannot say.
+# (In a hostNetwork pod HOSTNAME is the node's name: the pod's name comes from the downward API, POD_NAME.)
+_READY_BY_ORDINAL = (
+    "import os, urllib.request; "
+    'urllib.request.urlopen(f\'http://127.0.0.1:{{{base} + int(os.environ["POD_NAME"].rsplit("-", 1)[1])}}{path}\', '
+    "timeout=3)"
+)
+
+
+def generator_port(run: Run, pod_name: str) -> int:
+    """The control port of a generator pod (host-network: base + its ordinal)."""
+    base = run.config.ports.generator
+    return base + int(pod_name.rsplit("-", 1)[1]) if run.host_network else base
+
+
+def _workload(kind: str, run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "replicas": run.replicas(replicas),
+        "selector": {"matchLabels": run.selector(component)},
+        "template": template,
+    }
+    if kind == "StatefulSet":
+        # Parallel: pods start (and trainer ranks rendezvous) at once rather than one after the other
+        spec.update(serviceName=run.child(component), podManagementPolicy="Parallel")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": kind,
+        "metadata": run.metadata(run.child(component), component),
+        "spec": spec,
+    }
+
+
+def _stateful_set(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    return _workload("StatefulSet", run, component, replicas, template)
+
+
+def _deployment(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    return _workload("Deployment", run, component, replicas, template)
+
+
+def trainer_service(run: Run) -> dict[str, Any]:
+    p = run.config.ports
+    ports = {"metrics": p.trainer_metrics, "weights": p.trainer_weights, "rendezvous": p.rendezvous}
+    return _service(run, "trainer", ports, headless=True)
+
+
+def trainer_pod_address(run: Run, ordinal: int) -> str:
+    """The DNS name of trainer pod `ordinal` through the headless Service (host-network: the node)."""
+    if run.host_network:
+        return "127.0.0.1"
+    return f"{run.child('trainer')}-{ordinal}.{run.child('trainer')}.{run.namespace}.svc"
+
+
+def trainer_command(run: Run) -> list[str]:
+    p = run.config.ports
+    trainer = _python_service(
+        launch.TRAINER,
+        metrics_port=p.trainer_metrics,
+        weights_port=p.trainer_weights,
+        advertise_host=trainer_pod_address(run, 0),
+        stay_up=True,  # a StatefulSet restarts a container that exits; the operator scales the run to zero instead
+    )
+    ranks = run.spec.training.num_ranks
+    if ranks == 1:
+        return trainer
+    # One rank per pod; the pod's ordinal (the end of its name) is its node rank, so rank 0 is pod 0, which
+    # serves the weights and the metrics.
+    launcher = (
+        f"python -m torch.distributed.run --nnodes={ranks} --nproc-per-node=1 --node-rank=${{POD_NAME##*-}} "
+        f"--master-addr={trainer_pod_address(run, 0)} --master-port={p.rendezvous}"
+    )
+    return ["sh", "-c", f"exec {launcher} -m {' '.join(trainer[2:])}"]
+
+
+def trainer_stateful_set(run: Run) -> dict[str, Any]:
+    p = run.config.ports
+    volume, mount = _spec_volume(run)
+    ports = {"metrics": p.trainer_metrics, "weights": p.trainer_weights, "rendezvous": p.rendezvous}
+    container = _container(
+        run, "trainer", trainer_command(run), ports,
+        env=_service_env(run),
+        volumeMounts=[mount, {"name": "data", "mountPath": DATA_DIR}],
+        readinessProbe={"tcpSocket": {"port": p.trainer_metrics}, "periodSeconds": 5},
+    )  # fmt: skip
+    volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("data")}}]
+    return _stateful_set(
+        run, "trainer", run.spec.training.num_ranks, _pod_template(run, "trainer", [container], volumes)
+    )

@@ -1,0 +1,476 @@
+"""The operator: runs each ReinforceRun on Kubernetes (kopf).
+
+    reinforce operator [--namespace NS ...] [--config operator.yaml] [--kubeconfig FILE]
+
+Level-triggered, like the weight reconciler it drives. On every change of a run and every
+`status_interval_s` it:
+
+1. validates the spec with the model (operator/resource.py), and refuses changes to fields that cannot change
+   once the run started (everything but `suspend`, `generation.num_generators` and `kubernetes`), naming
+   them in the `SpecAccepted` condition;
+2. applies every child (operator/children.py) with server-side apply; a suspended or finished run gets zero
+   replicas everywhere;
+3. observes the pods and the trainer's metrics and writes the status.
+
+Apart from those passes a per-run loop (kopf daemon) has every ready generator load the published weight
+version (core/rollout.py's reconciler, the local supervisor's too) within WEIGHT_POLL_S of its publication.
+
+Deleting a run deletes its children (ownerReferences); a finalizer deletes its Redis keys first when the
+Redis is external (the run's own Redis goes with its volume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kopf
+import redis
+import yaml
+from kubernetes import client, config
+from prometheus_client.parser import text_string_to_metric_families
+
+from reinforce.core.metrics import PREFIX, prometheus_name
+from reinforce.core.names import K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
+from reinforce.core.queue import RolloutQueue
+from reinforce.core.rollout import GeneratorWeights, WeightReconciler
+from reinforce.core.spec import SpecError
+from reinforce.operator.children import (
+    REDIS_URL_KEY,
+    OperatorConfig,
+    Run,
+    children,
+    generator_port,
+    services_spec_yaml,
+)
+from reinforce.operator.resource import GROUP, PLURAL, VERSION, ReinforceRunSpec, parse_run_resource
+
+log = logging.getLogger("reinforce.operator")
+RUNS = (GROUP, VERSION, PLURAL)
+FIELD_MANAGER = "reinforce-operator"
+FINALIZER = f"{GROUP}/finalizer"
+# Fields a running run may change; every other spec field is fixed at creation.
+MUTABLE_FIELDS = ("suspend", "kubernetes", "generation.num_generators")
+# Objects with generated or bound content: created once, never re-applied.
+CREATE_ONLY = {"Secret", "PersistentVolumeClaim"}
+# kind -> (API class, the snake_case name in its method names)
+_KINDS = {
+    "ConfigMap": (client.CoreV1Api, "config_map"),
+    "Secret": (client.CoreV1Api, "secret"),
+    "Service": (client.CoreV1Api, "service"),
+    "PersistentVolumeClaim": (client.CoreV1Api, "persistent_volume_claim"),
+    "Deployment": (client.AppsV1Api, "deployment"),
+    "StatefulSet": (client.AppsV1Api, "stateful_set"),
+}
+HTTP_TIMEOUT_S = 2.0
+STATUS_INTERVAL_S = 2.0  # how often each run's pods and trainer are looked at and its status written
+WEIGHT_POLL_S = 0.1  # how often each run's published weight version is checked
+FINAL_SYNC_S = 30.0  # how long a finished run waits for its generators to load the final weights
+
+
+# ---- applying the children --------------------------------------------------------------------------------
+def apply(api: client.ApiClient, obj: dict[str, Any]) -> None:
+    """Server-side apply: creates the object or brings our fields of it to `obj` (removing ones we dropped)."""
+    api_class, kind = _KINDS[obj["kind"]]
+    methods = api_class(api)
+    name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
+    if obj["kind"] in CREATE_ONLY:
+        try:
+            getattr(methods, f"create_namespaced_{kind}")(namespace, obj)
+        except client.ApiException as err:
+            if err.status != 409:
+                raise
+        return
+    getattr(methods, f"patch_namespaced_{kind}")(
+        name, namespace, obj, field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml"
+    )
+
+
+def immutable_changes(accepted: dict[str, Any], wanted: dict[str, Any], prefix: str = "spec") -> list[str]:
+    """Dotted paths (`spec.training.lr`) of fields that differ and may not change."""
+    changed = []
+    for key in sorted(set(accepted) | set(wanted)):
+        path = f"{prefix}.{key}"
+        if path.removeprefix("spec.") in MUTABLE_FIELDS:
+            continue
+        old, new = accepted.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += immutable_changes(old, new, path)
+        elif old != new:
+            changed.append(path)
+    return changed
+
+
+def accepted_spec(api: client.ApiClient, run: Run) -> dict[str, Any] | None:
+    """The run spec the services were started with (the ConfigMap), or None before the first apply."""
+    try:
+        found = client.CoreV1Api(api).read_namespaced_config_map(run.child("spec"), run.namespace)
+    except client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+    return yaml.safe_load(found.data["spec.yaml"])
+
+
+# ---- observing --------------------------------------------------------------------------------------------
+@dataclass
+class PodState:
+    name: str
+    component: str
+    ready: bool
+    restarts: int
+    ip: str | None
+
+
+def pod_states(api: client.ApiClient, run: Run) -> list[PodState]:
+    pods = client.CoreV1Api(api).list_namespaced_pod(run.namespace, label_selector=f"{K8S_INSTANCE_LABEL}={run.name}")
+    states = []
+    for pod in pods.items:
+        if pod.metadata.deletion_timestamp is not None:
+            continue
+        conditions = pod.status.conditions or []
+        ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+        restarts = sum(c.restart_count for c in pod.status.container_statuses or [])
+        component = pod.metadata.labels.get(K8S_COMPONENT_LABEL, "")
+        states.append(PodState(pod.metadata.name, component, ready, restarts, pod.status.pod_ip))
+    return sorted(states, key=lambda p: p.name)
+
+
+def trainer_metrics(url: str) -> dict[str, float]:
+    """Step, reward and KL from the trainer's Prometheus endpoint (empty when it does not answer)."""
+    wanted = {
+        PREFIX + "trainer_step": "step",
+        prometheus_name("train_rollouts/rewards"): "reward",
+        prometheus_name("train_rollouts/init_policy_kl"): "kl",
+    }
+    try:
+        text = httpx.get(url, timeout=HTTP_TIMEOUT_S).raise_for_status().text
+    except httpx.HTTPError:
+        return {}
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                found[wanted[sample.name]] = sample.value
+    return found
+
+
+@dataclass
+class RunMemory:
+    """What the operator keeps per run between passes: connections, and facts it cannot read back."""
+
+    reconciler: WeightReconciler | None = None
+    redis_url: str = ""
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    # set by the status pass, read by the weight rollout loop
+    run: Run | None = None
+    generator_urls: dict[str, str] = field(default_factory=dict)
+    # set by the weight rollout loop, read by the status pass
+    published: int | None = None
+    loaded: list[GeneratorWeights] = field(default_factory=list)
+    # when the last step's weights were first seen published (the generators get FINAL_SYNC_S to load them)
+    final_published_at: float | None = None
+
+    def close(self) -> None:
+        if self.reconciler is not None:
+            self.reconciler.close()
+            self.reconciler.queue.client.close()
+
+
+def secret_value(api: client.ApiClient, namespace: str, name: str, key: str) -> str:
+    secret = client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+    if not secret.data or key not in secret.data:
+        raise kopf.TemporaryError(f"Secret {namespace}/{name} has no key {key!r}", delay=10)
+    return base64.b64decode(secret.data[key]).decode()
+
+
+def weight_reconciler(api: client.ApiClient, run: Run, memory: RunMemory) -> WeightReconciler:
+    url = secret_value(api, run.namespace, run.redis_secret, REDIS_URL_KEY)
+    if memory.reconciler is None or memory.redis_url != url:
+        memory.close()
+        connection = redis.Redis.from_url(url, socket_timeout=HTTP_TIMEOUT_S, socket_connect_timeout=HTTP_TIMEOUT_S)
+        token = secret_value(api, run.namespace, run.child("secrets"), "control-token")
+        memory.reconciler = WeightReconciler(RolloutQueue(connection, run.name), {}, token, timeout_s=HTTP_TIMEOUT_S)
+        memory.redis_url = url
+    return memory.reconciler
+
+
+# ---- status -----------------------------------------------------------------------------------------------
+def condition(kind: str, true: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    status = "True" if true else "False"
+    return {"type": kind, "status": status, "reason": reason, "message": message, "observedGeneration": generation}
+
+
+def with_transition_times(new: list[dict], old: list[dict]) -> list[dict]:
+    """Keep a condition's lastTransitionTime while its status stays the same."""
+    before = {c["type"]: c for c in old or []}
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for c in new:
+        previous = before.get(c["type"])
+        same = previous is not None and previous.get("status") == c["status"]
+        c["lastTransitionTime"] = previous.get("lastTransitionTime", now) if same else now
+    return new
+
+
+def phase_of(
+    spec: ReinforceRunSpec, pods: list[PodState], published: int | None, finished_before: bool, final_synced: bool
+) -> tuple[str, str, str]:
+    """(phase, reason, message) from what is observed. final_synced: every ready generator has the last step's
+    weights, or FINAL_SYNC_S passed since they were published (the run ends with its generators on its final
+    policy, but a generator that refuses them does not keep it from ending)."""
+    steps = spec.training.steps
+    if finished_before or (published is not None and published >= steps and final_synced):
+        return "Succeeded", "Finished", f"trained all {steps} steps"
+    crashing = [p for p in pods if p.restarts > spec.restart.max_restarts]
+    if crashing:
+        names = ", ".join(f"{p.name} ({p.restarts} restarts)" for p in crashing)
+        return "Failed", "CrashLooping", f"more than restart.max_restarts={spec.restart.max_restarts}: {names}"
+    if spec.suspend:
+        return "Suspended", "Suspended", "spec.suspend is true: every component is scaled to zero"
+    needed = {"reward": 1, "trainer": spec.training.num_ranks, "generator": 1}
+    if spec.kubernetes.external_redis_secret is None:
+        needed["redis"] = 1
+    missing = [f"{c} ({n} ready pods needed)" for c, n in needed.items() if _ready(pods, c) < n]
+    if missing:
+        return "Pending", "ComponentsNotReady", "waiting for " + ", ".join(missing)
+    return "Running", "Training", f"step {published or 0} of {steps}"
+
+
+def _ready(pods: list[PodState], component: str) -> int:
+    return sum(p.ready for p in pods if p.component == component)
+
+
+# ---- handlers ---------------------------------------------------------------------------------------------
+@dataclass
+class OperatorState:
+    api: client.ApiClient
+    config: OperatorConfig
+    runs: dict[str, RunMemory] = field(default_factory=dict)
+    # Set on the operator's exit. kopf stops the daemons it knows of then, but one spawned for an event still in
+    # processing is never told: it must see this, or its thread keeps the operator's process from exiting.
+    exiting: threading.Event = field(default_factory=threading.Event)
+
+
+def _state(memo: kopf.Memo) -> OperatorState:
+    return memo["state"]
+
+
+def _invalid(patch: kopf.Patch, status: dict, message: str, generation: int) -> None:
+    patch.status["phase"] = "Failed"
+    patch.status["observedGeneration"] = generation
+    refused = condition("SpecAccepted", False, "InvalidSpec", message, generation)
+    patch.status["conditions"] = with_transition_times([refused], status.get("conditions", []))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.posting.level = logging.WARNING
+    config_file = os.environ.get(OPERATOR_CONFIG_ENV)
+    memo["state"] = OperatorState(_api_client(), load_config(Path(config_file) if config_file else None))
+
+
+@kopf.on.cleanup()
+def close_connections(memo: kopf.Memo, **_: Any) -> None:
+    state = _state(memo)
+    state.exiting.set()
+    for memory in state.runs.values():
+        memory.close()
+
+
+def _api_client() -> client.ApiClient:
+    """In a pod: its ServiceAccount; elsewhere $KUBECONFIG or ~/.kube/config (read now, not at import)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or "~/.kube/config")
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # The same choice as _api_client, so that both act with the same credentials and server. In a pod: the
+    # kubernetes client's in-cluster reader, which honours KUBERNETES_SERVICE_HOST/PORT (the chart's `apiServer`;
+    # kopf's own service-account reader always dials kubernetes.default.svc, which needs cluster DNS).
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return kopf.login_via_client(**kwargs)
+    return kopf.login_with_kubeconfig(**kwargs)
+
+
+def _run(state: OperatorState, body: kopf.Body, spec: ReinforceRunSpec, status: dict) -> Run:
+    meta = body["metadata"]
+    stopped = spec.suspend or status.get("phase") == "Succeeded"
+    return Run(meta["name"], meta["namespace"], meta["uid"], spec, state.config, stopped=stopped)
+
+
+@kopf.on.resume(*RUNS)
+@kopf.on.create(*RUNS)
+@kopf.on.update(*RUNS, field="spec")
+@kopf.timer(*RUNS, interval=STATUS_INTERVAL_S, initial_delay=1.0)
+def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
+    state = _state(memo)
+    meta, status = body["metadata"], dict(body.get("status") or {})
+    generation = meta.get("generation", 0)
+    try:
+        spec = parse_run_resource(meta["name"], dict(body["spec"]))
+    except SpecError as err:
+        _invalid(patch, status, str(err), generation)
+        return
+    run = _run(state, body, spec, status)
+    accepted = accepted_spec(state.api, run)
+    refused = immutable_changes(accepted, yaml.safe_load(services_spec_yaml(run))) if accepted else []
+    conditions = []
+    if refused:
+        message = f"{', '.join(refused)}: cannot change once the run started; revert, or create a new run"
+        conditions.append(condition("SpecAccepted", False, "ImmutableFieldChanged", message, generation))
+    else:
+        for obj in children(run):
+            apply(state.api, obj)
+        conditions.append(condition("SpecAccepted", True, "Applied", "every child is applied", generation))
+        patch.status["observedGeneration"] = generation
+    observe(state, run, patch, status, conditions)
+
+
+def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, conditions: list[dict]) -> None:
+    memory = state.runs.setdefault(run.uid, RunMemory())
+    pods = pod_states(state.api, run)
+    generators = [p for p in pods if p.component == "generator"]
+    memory.run = run
+    memory.generator_urls = {
+        p.name: f"http://{p.ip}:{generator_port(run, p.name)}" for p in generators if p.ready and p.ip
+    }
+    published, loaded = memory.published, memory.loaded
+    trainer_0 = next((p for p in pods if p.name == f"{run.child('trainer')}-0" and p.ip), None)
+    if trainer_0 is not None:
+        memory.last_metrics.update(
+            trainer_metrics(f"http://{trainer_0.ip}:{state.config.ports.trainer_metrics}/metrics")
+        )
+    finished = status.get("phase") == "Succeeded"
+    versions = {g.name: g.loaded_version for g in loaded}
+    loads = {g.name: g.loads for g in loaded}
+    lagging = [g.name for g in generators if g.ready and published is not None and versions.get(g.name) != published]
+    if published is not None and published >= run.spec.training.steps and memory.final_published_at is None:
+        memory.final_published_at = time.monotonic()
+    final_synced = memory.final_published_at is not None and (
+        not lagging or time.monotonic() - memory.final_published_at > FINAL_SYNC_S
+    )
+    phase, reason, message = phase_of(run.spec, pods, published, finished, final_synced)
+    generation = conditions[0]["observedGeneration"]
+    conditions.append(condition("Ready", phase == "Running", reason, message, generation))
+    in_sync = f"every ready generator has version {published}" if not lagging else f"behind: {', '.join(lagging)}"
+    conditions.append(
+        condition("WeightsInSync", not lagging, "Synced" if not lagging else "Lagging", in_sync, generation)
+    )
+    patch.status.update(
+        phase=phase,
+        conditions=with_transition_times(conditions, status.get("conditions", [])),
+        generatorsReady=f"{_ready(pods, 'generator')}/{run.replicas(run.spec.generation.num_generators)}",
+        generators=[
+            {"name": g.name, "ready": g.ready, "loadedVersion": versions.get(g.name), "weightLoads": loads.get(g.name)}
+            for g in generators
+        ],
+        publishedWeightVersion=published,
+        # version v is published just before step v's metrics: a pass between the two must not show step v - 1
+        step=max(int(memory.last_metrics.get("step", 0)), published or 0),
+        reward=memory.last_metrics.get("reward"),
+        kl=memory.last_metrics.get("kl"),
+    )
+    if phase == "Succeeded" and not finished:
+        log.info("run %s/%s finished: scaling it to zero", run.namespace, run.name)
+
+
+@kopf.daemon(*RUNS, cancellation_timeout=10)
+def roll_out_weights(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """Weight rollout, apart from the status pass: an on-policy step waits for it, so it polls every
+    WEIGHT_POLL_S (one Redis GET while nothing changes) instead of the status pass's interval."""
+    state = _state(memo)
+    memory = state.runs.setdefault(body["metadata"]["uid"], RunMemory())
+    while not (stopped or state.exiting.is_set()):
+        run = memory.run
+        if run is None:  # the first status pass has not run yet (or the spec is invalid)
+            stopped.wait(STATUS_INTERVAL_S)
+            continue
+        try:
+            reconciler = weight_reconciler(state.api, run, memory)
+        except (client.ApiException, kopf.TemporaryError) as err:  # the secrets are not there yet
+            log.info("run %s: weight rollout waits: %s", run.name, err)
+            stopped.wait(STATUS_INTERVAL_S)
+            continue
+        reconciler.retarget(memory.generator_urls)
+        memory.published, memory.loaded = reconciler.reconcile_once()
+        stopped.wait(WEIGHT_POLL_S)
+
+
+def _uses_external_redis(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("kubernetes") or {}).get("external_redis_secret"))
+
+
+@kopf.on.delete(*RUNS, when=_uses_external_redis)
+def delete_redis_keys(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    """The run's own Redis goes with its volume; an external one keeps the keys unless they are deleted."""
+    state, meta = _state(memo), body["metadata"]
+    secret = body["spec"]["kubernetes"]["external_redis_secret"]
+    try:
+        url = secret_value(state.api, meta["namespace"], secret, REDIS_URL_KEY)
+        connection = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        deleted = RolloutQueue(connection, meta["name"]).delete_run_keys()
+        connection.close()
+    except (redis.RedisError, client.ApiException, kopf.TemporaryError) as err:
+        if retry >= 5:  # never block the deletion for ever: say so and let it go
+            log.warning("run %s: Redis keys not deleted after %d tries: %s", meta["name"], retry + 1, err)
+            return
+        raise kopf.TemporaryError(f"cannot delete the run's Redis keys yet: {err}", delay=5) from err
+    log.info("run %s: deleted %d Redis keys", meta["name"], deleted)
+
+
+@kopf.on.delete(*RUNS, optional=True)
+def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memory = _state(memo).runs.pop(body["metadata"]["uid"], None)
+    if memory is not None:
+        memory.close()
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+def add_operator_command(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("operator", help="run the Kubernetes operator for ReinforceRun resources")
+    parser.add_argument(
+        "--namespace", "-n", action="append", default=[], help="watch this namespace (repeat); default: all"
+    )
+    parser.add_argument("--config", type=Path, help="operator configuration YAML (OperatorConfig)")
+    parser.add_argument(
+        "--kubeconfig", type=Path, help="kubeconfig (default: $KUBECONFIG, ~/.kube/config or in-cluster)"
+    )
+    parser.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.set_defaults(handler=operator_command)
+
+
+def load_config(path: Path | None) -> OperatorConfig:
+    if path is None:
+        return OperatorConfig()
+    try:
+        return OperatorConfig.model_validate(yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError, ValueError) as err:
+        raise SpecError(f"{path}: invalid operator configuration: {err}") from None
+
+
+def operator_command(args: argparse.Namespace) -> int:
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = str(args.kubeconfig)
+    if args.config:
+        load_config(args.config)  # a bad file is an error now, not in the first handler
+        os.environ[OPERATOR_CONFIG_ENV] = str(args.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s operator %(levelname)s %(message)s")
+    kopf.run(
+        standalone=True, clusterwide=not args.namespace, namespaces=args.namespace, liveness_endpoint=args.liveness
+    )
+    return 0

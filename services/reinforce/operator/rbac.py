@@ -1,0 +1,32 @@
+"""The operator's least-privilege RBAC rules: exactly what its handlers call, nothing more.
+
+The tests run the operator with a ServiceAccount token bound to these rules (tests/integration/test_operator.py),
+so a missing rule fails them; the comment on each rule says which call needs it. The chart's ClusterRole and
+operator/operator.yaml are generated from them (scripts/generate).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reinforce.operator.resource import GROUP, PLURAL
+
+OPERATOR_RULES: list[dict[str, Any]] = [
+    # kopf discovers the resources it serves from the CRDs (read-only)
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+    # kopf, given --namespace, follows the namespaces that match (read-only)
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    # kopf watches the runs and patches its annotations and finalizer on them
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    # children, applied with server-side apply (which creates what does not exist yet)
+    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": ["get", "create", "patch"]},
+    # created once; secrets are read back for the Redis URL and the generators' control token
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]},
+    # status: readiness, restarts and addresses of the run's pods
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    # kopf reports handler failures as events on the run
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]

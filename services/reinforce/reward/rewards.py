@@ -1,0 +1,190 @@
+"""Reward implementations behind one signature, built from a `RewardSpec`.
+
+A reward function maps (prompts, responses) to one float per response. The reward server wraps whatever
+`build_reward_fn` returns; the same function can be called in-process (tests, evaluation).
+
+NaN and inf are legal results here: they are passed through unchanged and the trainer decides what to do
+with them. What is not legal is a result of the wrong length or a non-numeric value: that is an error
+naming the function, raised before anything reaches the wire.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from reinforce.core.spec import RewardSpec
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be built, or that returned something other than one float per row."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Built-in python rewards, usable as `function: reinforce.reward.rewards:NAME`.
+
+
+def char_fraction(prompts: list[str], responses: list[str], char: str = "a") -> list[float]:
+    """Fraction of each response's characters equal to `char` (0 for an empty response).
+
+    Trivially learnable by a tiny random policy, which makes it the reward of the tiny example: the
+    learning curve moves within a few steps on CPU.
+    """
+    if len(char) != 1:
+        raise ValueError(f"char_fraction: char must be one character, got {char!r}")
+    return [r.count(char) / len(r) if r else 0.0 for r in responses]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# VADER
+
+
+def vader_reward() -> RewardFn:
+    """VADER compound sentiment of the response, in [-1, 1]; the prompt is ignored."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        return [float(analyzer.polarity_scores(r)["compound"]) for r in responses]
+
+    return score
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face sequence classifier
+
+_HF_OPTIONS = {"input", "batch_size", "max_length"}
+
+
+def hf_classifier_reward(
+    path: str, label: int = -1, input: str = "pair", batch_size: int = 32, max_length: int = 512
+) -> RewardFn:
+    """Logit `label` of a local `AutoModelForSequenceClassification`, computed in batches.
+
+    `input="pair"` feeds (prompt, response) as a text pair, the way preference reward models are trained;
+    `input="response"` feeds the response alone, the way sentiment classifiers are used.
+    """
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if input not in ("pair", "response"):
+        raise RewardError(f"hf_classifier: input must be 'pair' or 'response', got {input!r}")
+    # local_files_only: a reward server must never reach for a hub at run time.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise RewardError(f"hf_classifier: cannot load a sequence classifier from {path}: {err}") from err
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    _ensure_padding(tokenizer, model)
+    num_labels = int(model.config.num_labels)
+    if not -num_labels <= label < num_labels:
+        raise RewardError(f"hf_classifier: label {label} out of range for {num_labels} logits in {path}")
+    max_length = min(max_length, getattr(tokenizer, "model_max_length", max_length) or max_length)
+
+    @torch.no_grad()
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        out: list[float] = []
+        for start in range(0, len(responses), batch_size):
+            texts = responses[start : start + batch_size]
+            pairs = prompts[start : start + batch_size] if input == "pair" else None
+            enc = tokenizer(
+                pairs if pairs is not None else texts,
+                texts if pairs is not None else None,
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            ).to(device)
+            logits = model(**enc).logits
+            out.extend(logits[:, label].float().cpu().tolist())
+        return out
+
+    return score
+
+
+def _ensure_padding(tokenizer: Any, model: Any) -> None:
+    # Decoder-only classifiers (Llama) ship without a pad token; batching needs one, and the model needs
+    # its id to find each row's last real token.
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise RewardError("hf_classifier: the tokenizer has no pad, eos or unk token to pad with")
+        tokenizer.pad_token = fallback
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+# ---------------------------------------------------------------------------------------------------------
+# User callables
+
+
+def import_function(ref: str) -> Callable[..., Any]:
+    """Import `module:function`; errors name the reference."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RewardError(f"reward function {ref}: cannot import module {module_name!r}: {err}") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"reward function {ref}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def python_reward(ref: str, kwargs: dict[str, Any]) -> RewardFn:
+    fn = import_function(ref)
+
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        return fn(prompts, responses, **kwargs)
+
+    return score
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def checked(fn: RewardFn, name: str) -> RewardFn:
+    """Wrap `fn` so that a result other than one real number per response is an error naming `name`."""
+
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        if len(prompts) != len(responses):
+            raise RewardError(f"{name}: {len(prompts)} prompts but {len(responses)} responses")
+        return _as_floats(fn(list(prompts), list(responses)), len(responses), name)
+
+    return score
+
+
+def _as_floats(result: Any, expected: int, name: str) -> list[float]:
+    if hasattr(result, "tolist"):  # numpy arrays and torch tensors
+        result = result.tolist()
+    if isinstance(result, str | bytes) or not isinstance(result, Sequence):
+        raise RewardError(f"{name} returned {type(result).__name__}, expected a list of {expected} floats")
+    if len(result) != expected:
+        raise RewardError(f"{name} returned {len(result)} rewards for {expected} responses")
+    bad = [(i, v) for i, v in enumerate(result) if not isinstance(v, numbers.Real)]
+    if bad:
+        i, v = bad[0]
+        raise RewardError(f"{name} returned a non-numeric reward at row {i}: {v!r} ({type(v).__name__})")
+    # float() keeps NaN and inf: they are the trainer's to handle.
+    return [float(v) for v in result]
+
+
+def build_reward_fn(spec: RewardSpec) -> RewardFn:
+    """The reward function a spec describes, with its results checked."""
+    if spec.type == "vader":
+        return checked(vader_reward(), "vader")
+    if spec.type == "hf_classifier":
+        unknown = set(spec.kwargs) - _HF_OPTIONS
+        if unknown:
+            raise RewardError(f"hf_classifier: unknown kwargs {sorted(unknown)} (known: {sorted(_HF_OPTIONS)})")
+        assert spec.path is not None  # the spec's validator guarantees it
+        return checked(hf_classifier_reward(spec.path, spec.label, **spec.kwargs), f"hf_classifier {spec.path}")
+    assert spec.function is not None  # the spec's validator guarantees it
+    return checked(python_reward(spec.function, dict(spec.kwargs)), f"reward function {spec.function}")

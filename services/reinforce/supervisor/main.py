@@ -1,0 +1,402 @@
+"""`reinforce`: the command line. `reinforce run SPEC.yaml` runs a whole pipeline on this machine.
+
+The local supervisor starts the same services a Kubernetes run has, as child processes: redis-server, the
+Triton reward server, N generators and the trainer. It drives weight rollout with the same reconciler the
+operator uses, shows progress, and stops every child when the run ends, fails, or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+from tqdm import tqdm
+
+from reinforce.core import launch
+from reinforce.core.data import DataError, read_prompt_file
+from reinforce.core.metrics import file_sd_target, read_metrics
+from reinforce.core.models import materialize_policy
+from reinforce.core.names import (
+    COMPONENT_GENERATOR,
+    COMPONENT_REWARD,
+    COMPONENT_TRAINER,
+    CONTROL_TOKEN_ENV,
+    REDIS_URL_ENV,
+)
+from reinforce.core.queue import RolloutQueue, connect
+from reinforce.core.rollout import WeightReconciler
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec
+
+log = logging.getLogger("reinforce")
+READY_TIMEOUT_S = 300
+# In the run folder: every component's metrics address, in Prometheus' file-service-discovery format.
+PROMETHEUS_TARGETS = "prometheus_targets.json"
+
+
+class RunFailed(RuntimeError):
+    """A component died or never became ready; the message names it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic time of a scheduled restart
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            # own process group: Ctrl-C reaches the supervisor only, which then stops children in order
+            self.process = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def exit_code(self) -> int | None:
+        return self.process.poll() if self.process else None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then after `grace_s` SIGKILL to the whole process group (Triton runs as a grandchild)."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def failure(self, code: int) -> RunFailed:
+        restarted = f" after {self.restarts} restarts" if self.restarts else ""
+        return RunFailed(
+            f"component {self.name} exited with code {code}{restarted}; giving up. "
+            f"Log {self.log_path}, last lines:\n{self.log_tail()}"
+        )
+
+
+def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
+    """Absolute paths, so every process reads the same files whatever its working directory."""
+
+    def local(path: str) -> str:
+        p = Path(path)
+        return str(p if p.is_absolute() else (spec_file.parent / p).resolve())
+
+    policy = spec.policy
+    if policy.path and not policy.path.startswith("package:"):
+        policy = policy.model_copy(update={"path": local(policy.path)})
+    reward = spec.reward
+    if reward.path:
+        reward = reward.model_copy(update={"path": local(reward.path)})
+    return spec.model_copy(
+        update={
+            "run_dir": str(spec.resolved_run_dir().resolve()),
+            "policy": policy,
+            "reward": reward,
+            "data": spec.data.model_copy(update={"prompts": local(spec.data.prompts)}),
+        }
+    )
+
+
+class Supervisor:
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.paths = RunPaths(spec.resolved_run_dir())
+        self.components: list[Component] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.scrape_targets: list[dict] = []
+
+    def component(self, name: str, argv: list[str]) -> Component:
+        c = Component(name, argv, self.paths.logs / f"{name}.log")
+        c.start(self.env)
+        self.components.append(c)
+        return c
+
+    def wait_until(self, what: Component, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready():
+            code = what.exit_code()
+            if code is not None:
+                raise what.failure(code)
+            if time.monotonic() > deadline:
+                raise RunFailed(f"component {what.name} not ready after {READY_TIMEOUT_S}s; log {what.log_path}")
+            time.sleep(0.2)
+
+    def service_argv(self, service: launch.Service, **flags: object) -> list[str]:
+        return service.command(sys.executable, str(self.paths.spec), **flags)
+
+    def trainer_argv(self) -> list[str]:
+        metrics_port = free_port()
+        self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
+        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port)
+        ranks = self.spec.training.num_ranks
+        if ranks == 1:
+            return argv
+        # torchrun starts one process per rank and stops them all if one dies (then the restart policy acts)
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+        return [*launcher, "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv[1:]]
+
+    def start_redis(self) -> None:
+        port = free_port()
+        password = secrets.token_urlsafe(24)
+        self.paths.redis.mkdir(parents=True, exist_ok=True)
+        # The password goes in a private config file, not on a command line that `ps` shows.
+        config = self.paths.redis / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {self.paths.redis}\nrequirepass {password}\n"
+            # Append-only file, fsync on every write: a Redis crash or restart loses nothing acknowledged.
+            'appendonly yes\nappendfsync always\nsave ""\n'
+        )
+        c = self.component("redis", [shutil.which("redis-server") or "redis-server", str(config)])
+        url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.env[REDIS_URL_ENV] = url
+        client = redis.Redis.from_url(url)
+        self.wait_until(c, lambda: _redis_pings(client))
+
+    def start_reward(self) -> str:
+        http, grpc, metrics = free_port(), free_port(), free_port()
+        self.add_scrape_target(COMPONENT_REWARD, "reward", metrics)
+        c = self.component(
+            "reward", self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics)
+        )
+        url = f"http://127.0.0.1:{http}"
+        self.wait_until(c, lambda: _http_ok(url + launch.REWARD.ready_path))
+        return url
+
+    def start_generators(self, reward_url: str) -> dict[str, str]:
+        urls = {}
+        for i in range(self.spec.generation.num_generators):
+            name, port = f"generator-{i}", free_port()
+            self.add_scrape_target(COMPONENT_GENERATOR, name, port)
+            self.component(name, self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name))
+            urls[name] = f"http://127.0.0.1:{port}"
+        for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
+            self.wait_until(c, lambda url=url: _http_ok(url + launch.GENERATOR.ready_path))
+        return urls
+
+    def add_scrape_target(self, component: str, instance: str, port: int) -> None:
+        """List a metrics endpoint in RUN_DIR/prometheus_targets.json, for a Prometheus `file_sd_configs`."""
+        self.scrape_targets.append(file_sd_target(self.spec.name, component, instance, f"127.0.0.1:{port}"))
+        self.write_scrape_targets()
+
+    def write_scrape_targets(self) -> None:
+        """Rewritten whole, by rename: Prometheus watches the file and must never read half of it."""
+        path = self.paths.root / PROMETHEUS_TARGETS
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.scrape_targets, indent=2) + "\n")
+        partial.replace(path)
+
+    def run(self) -> None:
+        self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
+        self.start_redis()
+        reward_url = self.start_reward()
+        generator_urls = self.start_generators(reward_url)
+        trainer = self.component("trainer", self.trainer_argv())
+        reconciler = WeightReconciler(
+            RolloutQueue(connect(self.env[REDIS_URL_ENV]), self.spec.name), generator_urls, self.env[CONTROL_TOKEN_ENV]
+        )
+        try:
+            self.watch(trainer, reconciler)
+        finally:
+            reconciler.close()
+
+    def watch(self, trainer: Component, reconciler: WeightReconciler) -> None:
+        progress = Progress(self.paths, self.spec.training.steps)
+        try:
+            while trainer.exit_code() != 0:
+                for c in self.components:
+                    self.supervise(c)
+                reconciler.reconcile_once()
+                progress.update()
+                time.sleep(0.05)
+            progress.update()
+        finally:
+            progress.close()
+
+    def supervise(self, c: Component) -> None:
+        """Restart a component that exited, with exponential back-off, like a pod's restart policy."""
+        if c.restart_at is not None:
+            if time.monotonic() >= c.restart_at:
+                c.restart_at = None
+                c.start(self.env)
+            return
+        code = c.exit_code()
+        if code is None:
+            return
+        policy = self.spec.restart
+        if c.restarts >= policy.max_restarts:
+            raise c.failure(code)
+        c.stop()  # reap what is left of its process group (Triton runs as a grandchild and holds the ports)
+        delay = min(policy.backoff_s * 2**c.restarts, policy.max_backoff_s)
+        c.restarts += 1
+        c.restart_at = time.monotonic() + delay
+        tqdm.write(
+            f"component {c.name} exited with code {code}; restart {c.restarts} of {policy.max_restarts} "
+            f"in {delay:.1f}s (log {c.log_path})",
+            file=sys.stderr,
+        )
+
+    def stop(self) -> None:
+        # trainer first (it checkpoints), then generators, reward server, Redis last
+        for c in reversed(self.components):
+            c.stop()
+        # A stopped run has nothing to scrape (and no alert should report its processes as down).
+        self.scrape_targets.clear()
+        self.write_scrape_targets()
+
+
+def _redis_pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Progress:
+    """The progress bar, fed from metrics.jsonl (re-read only when the trainer has appended to it)."""
+
+    def __init__(self, paths: RunPaths, total_steps: int) -> None:
+        self.paths = paths
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        self._size = 0
+
+    def update(self) -> None:
+        size = self.paths.metrics.stat().st_size if self.paths.metrics.exists() else 0
+        if size == self._size:
+            return
+        self._size = size
+        rows = read_metrics(self.paths.metrics)
+        if not rows:  # a restarted trainer dropped the rows of the steps it redoes
+            self.bar.reset()
+            return
+        last = rows[-1]
+        self.bar.update(last["step"] - self.bar.n)
+        self.bar.set_postfix(
+            reward=f"{last['train_rollouts/rewards']:.3f}",
+            kl=f"{last['train_rollouts/init_policy_kl']:.4f}",
+            tok_s=f"{last['throughput/generated_tokens_per_second']:.0f}",
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> RunPaths:
+    paths = RunPaths(spec.resolved_run_dir())
+    started = paths.metrics.exists() or paths.checkpoints.exists()
+    if started and overwrite:
+        shutil.rmtree(paths.root)
+    elif started and not resume:
+        raise RunFailed(
+            f"run folder {paths.root} already holds a run: pass --resume to continue it or --overwrite to start over"
+        )
+    if not resume:
+        shutil.rmtree(paths.redis, ignore_errors=True)  # a fresh run starts from an empty queue
+    paths.root.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`reinforce run`: the exit code (0 done, 1 a component failed, 2 a bad spec or prompt file, 130 Ctrl-C)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return _run(args)
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.resume:
+        spec_file = RunPaths(Path(args.resume)).spec
+        spec = load_spec(spec_file)
+    else:
+        spec_file = Path(args.spec)
+        spec = resolve_spec(load_spec(spec_file), spec_file)
+    try:
+        read_prompt_file(spec.data.prompts, spec.data.on_bad_line)  # a bad prompt file fails now, naming file:line
+    except DataError as err:
+        raise SpecError(f"{spec_file}: data.prompts: {err}") from None
+    paths = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)
+    paths.spec.write_text(dump_spec(spec))
+    print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
+    materialize_policy(spec.policy, paths.initial_policy, spec.seed)
+    supervisor = Supervisor(spec)
+    # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        supervisor.run()
+    except KeyboardInterrupt:
+        print("interrupted: stopping every component", file=sys.stderr)
+        return 130
+    finally:
+        supervisor.stop()
+    _print_summary(paths)
+    return 0
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _print_summary(paths: RunPaths) -> None:
+    rows = read_metrics(paths.metrics)
+    if not rows:
+        return
+    first, last = rows[0], rows[-1]
+    print(
+        f"done: {last['step']} steps; reward {first['train_rollouts/rewards']:.3f} -> "
+        f"{last['train_rollouts/rewards']:.3f}; KL {last['train_rollouts/init_policy_kl']:.4f}\n"
+        f"  metrics {paths.metrics}\n  plot    {paths.plot}\n  model   {paths.final_model}"
+    )
+
+
+def add_run_command(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser("run", help="run a whole pipeline locally")
+    run.add_argument("spec", nargs="?", help="run spec YAML (see examples/)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    run.add_argument("--overwrite", action="store_true", help="delete an earlier run in the same run folder")
+    run.set_defaults(handler=run_command, check=_check_run_arguments)
+
+
+def _check_run_arguments(args: argparse.Namespace) -> str | None:
+    return "run takes a SPEC file or --resume RUN_DIR" if bool(args.spec) == bool(args.resume) else None

@@ -1,0 +1,303 @@
+"""The pipeline trains when Kubernetes runs it: `helm install`, `kubectl apply` a ReinforceRun, watch it in pods.
+
+On a real single-node cluster (tests/e2e/k8s-single-node.sh: etcd, API server, controller-manager, scheduler, kubelet
+and its own dockerd, all on loopback) with the project's images built into that dockerd (scripts/build-images.sh):
+the chart is installed with Helm, so the operator runs as a pod under the chart's RBAC; runs are applied with
+kubectl. The cluster has no kube-proxy and no DNS, so the chart is installed with the host-network profile
+(README "On Kubernetes"), and no volume provisioner, so the test makes a hostPath PersistentVolume for each claim.
+
+Marked ``slow`` and ``cluster``: it needs root, and the first build of the cluster and the images takes minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from k8s import HELM, KUBECTL, REPO, example_run, single_node, single_node_skip_reason
+from kubernetes import client, config
+from promserver import Prometheus, assert_every_dashboard_query_answers
+
+from generate import crd
+from generate.chart_values import CHART
+from reinforce.core.metrics import read_metrics
+from reinforce.core.names import K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL
+from reinforce.operator.children import OperatorConfig
+from reinforce.operator.resource import KubernetesSpec
+from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+BUILD_IMAGES = REPO / "scripts" / "build-images.sh"
+RUNS = "runs"  # the namespace of the test's ReinforceRuns
+RELEASE, OPERATOR_NAMESPACE = "reinforce", "reinforce-system"
+HEALTH_PORT = 8090  # the operator's liveness port on the node's network: not a run's port
+PORTS = OperatorConfig().ports
+STEPS = 30  # examples/tiny.yaml as it is
+PROMPTS_IN_IMAGE = "/opt/reinforce/examples/data/tiny.txt"  # the image's copy of examples/data
+RUN_TIMEOUT_S = 900
+UP_TIMEOUT_S = 3600  # a cold build of kube-scheduler and kubelet is part of the first `up` on a machine
+IMAGES_TIMEOUT_S = 3600  # and a cold build of the images
+
+
+@dataclass
+class Cluster:
+    state: Path
+    kubeconfig: Path
+    api_server: str  # https://127.0.0.1:PORT
+    api: client.ApiClient
+    volumes: Path  # hostPath PersistentVolumes live here
+    timings: dict[str, float]
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [KUBECTL, "--kubeconfig", str(self.kubeconfig), *args], capture_output=True, text=True, timeout=300
+        )
+        if check:
+            assert result.returncode == 0, f"kubectl {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def run_status(self, name: str) -> dict[str, Any]:
+        run = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, RUNS, crd.PLURAL, name
+        )
+        return run.get("status") or {}
+
+
+def _timed(timings: dict[str, float], what: str, action: Callable[[], subprocess.CompletedProcess[str]]) -> None:
+    start = time.monotonic()
+    result = action()
+    timings[what] = time.monotonic() - start
+    assert result.returncode == 0, f"{what} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if reason := single_node_skip_reason():
+        pytest.skip(reason)
+    state = Path("/run") / f"reinforce-k8s-e2e-{secrets.token_hex(4)}"
+    timings: dict[str, float] = {}
+    try:
+        _timed(timings, "cluster up", lambda: single_node("up", state, UP_TIMEOUT_S))
+        env = {**os.environ, "DOCKER_HOST": f"unix://{state}/docker.sock"}
+        _timed(
+            timings,
+            "images",
+            lambda: subprocess.run(
+                ["bash", str(BUILD_IMAGES)], env=env, capture_output=True, text=True, timeout=IMAGES_TIMEOUT_S
+            ),
+        )
+        kubeconfig = state / "admin.kubeconfig"
+        api_server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+        api = config.new_client_from_config(config_file=str(kubeconfig))
+        volumes = tmp_path_factory.mktemp("volumes")
+        yield Cluster(state, kubeconfig, api_server, api, volumes, timings)
+        api.close()
+    finally:
+        single_node("down", state, 300)
+        print("timings: " + ", ".join(f"{what} {seconds:.1f} s" for what, seconds in timings.items()))
+
+
+@pytest.fixture(scope="module")
+def chart_installed(cluster: Cluster) -> Cluster:
+    """The chart, as a user installs it, with the values of a cluster without kube-proxy and registry."""
+    host_port = cluster.api_server.removeprefix("https://")
+    values = [
+        "hostNetwork=true", f"apiServer={host_port}", f"healthPort={HEALTH_PORT}", "image.pullPolicy=Never",
+        "operatorConfig.profile=host-network", "operatorConfig.image_pull_policy=Never",
+        "operatorConfig.images.redis=reinforce-redis:0.1.0",
+    ]  # fmt: skip
+    args = [HELM, "--kubeconfig", str(cluster.kubeconfig), "install", RELEASE, str(CHART),
+            "-n", OPERATOR_NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m"]  # fmt: skip
+    for value in values:
+        args += ["--set", value]
+    _timed(cluster.timings, "helm install", lambda: subprocess.run(args, capture_output=True, text=True, timeout=400))
+    cluster.kubectl("create", "namespace", RUNS)
+    return cluster
+
+
+def persistent_volumes(cluster: Cluster, run: str) -> dict[str, Path]:
+    """A hostPath PersistentVolume bound ahead to each claim of the run; claim name -> its folder on the node."""
+    sizes = KubernetesSpec()
+    folders = {}
+    for claim, size in ((f"{run}-data", sizes.storage_size), (f"{run}-redis-data", sizes.redis_storage_size)):
+        folder = cluster.volumes / claim
+        folder.mkdir()
+        folder.chmod(0o777)  # the services run as uid 1000
+        volume = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{RUNS}-{claim}"},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": str(folder), "type": "Directory"},
+                "claimRef": {"namespace": RUNS, "name": claim},
+            },
+        }
+        client.CoreV1Api(cluster.api).create_persistent_volume(volume)
+        folders[claim] = folder
+    return folders
+
+
+def apply_run(cluster: Cluster, name: str, **changes: Any) -> float:
+    """`kubectl apply` examples/tiny.yaml as ReinforceRun `name`; returns the time it was applied."""
+    run = example_run(name, **{"data.prompts": PROMPTS_IN_IMAGE, **changes})
+    manifest = cluster.volumes / f"{name}.yaml"
+    manifest.write_text(yaml.safe_dump(run))
+    applied = time.monotonic()
+    cluster.kubectl("-n", RUNS, "apply", "-f", str(manifest))
+    return applied
+
+
+def wait_for_status(
+    cluster: Cluster, name: str, done: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = RUN_TIMEOUT_S
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        status = cluster.run_status(name)
+        assert status.get("phase") != "Failed", (
+            f"run {name} failed: {json.dumps(status, indent=1)}\n{diagnose(cluster)}"
+        )
+        if done(status):
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"run {name}: {what} not within {timeout_s} s; status {status}\n{diagnose(cluster)}")
+
+
+def diagnose(cluster: Cluster) -> str:
+    """The pods and the last log lines of each: what a failure message needs."""
+    pods = cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
+    logs = []
+    for pod in client.CoreV1Api(cluster.api).list_namespaced_pod(RUNS).items:
+        log = cluster.kubectl("-n", RUNS, "logs", pod.metadata.name, "--tail=30", check=False)
+        logs.append(f"--- {pod.metadata.name}\n{log.stdout}{log.stderr}")
+    operator = cluster.kubectl("-n", OPERATOR_NAMESPACE, "logs", "deploy/reinforce", "--tail=40", check=False)
+    return f"{pods}\n" + "\n".join(logs) + f"\n--- operator\n{operator.stdout}{operator.stderr}"
+
+
+def delete_run_and_its_children(cluster: Cluster, name: str) -> None:
+    """`kubectl delete` the run: every object it owned goes (garbage collection of the owner references)."""
+    cluster.kubectl("-n", RUNS, "delete", "reinforcerun", name, "--wait=true", "--timeout=120s")
+    kinds = "pods,statefulsets,deployments,services,configmaps,secrets,persistentvolumeclaims"
+    selector = f"{K8S_INSTANCE_LABEL}={name}"
+    deadline = time.monotonic() + 180
+    while (left := cluster.kubectl("-n", RUNS, "get", kinds, "-l", selector, "-o", "name").stdout.split()) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(1)
+    assert not left, f"children of {name} left after deleting it: {left}"
+
+
+def write_pod_targets(cluster: Cluster, run: str, targets_file: Path) -> None:
+    """The run's pods as Prometheus scrape targets, labelled as the chart's monitors label them.
+
+    Debian builds its Prometheus without Kubernetes discovery, so the test does the discovery through the API server
+    and hands the pods over in a file_sd file. On the node's network every pod is 127.0.0.1; a generator's port is
+    ports.generator + its ordinal.
+    """
+    targets = []
+    ports = {"reward": PORTS.reward_metrics, "trainer": PORTS.trainer_metrics}
+    for pod in (
+        client.CoreV1Api(cluster.api).list_namespaced_pod(RUNS, label_selector=f"{K8S_INSTANCE_LABEL}={run}").items
+    ):
+        name, component = pod.metadata.name, pod.metadata.labels[K8S_COMPONENT_LABEL]
+        port = PORTS.generator + int(name.rsplit("-", 1)[1]) if component == "generator" else ports.get(component)
+        if port is not None:
+            labels = {"run": run, "component": component, "instance": name}
+            targets.append({"targets": [f"127.0.0.1:{port}"], "labels": labels})
+    partial = targets_file.with_suffix(".partial")
+    partial.write_text(json.dumps(targets))
+    partial.rename(targets_file)  # Prometheus reads the file when it changes: never half of it
+
+
+def test_helm_install_then_a_run_trains_in_pods(chart_installed: Cluster, tmp_path: Path) -> None:
+    cluster = chart_installed
+    operator_pods = client.CoreV1Api(cluster.api).list_namespaced_pod(OPERATOR_NAMESPACE).items
+    assert [p.status.phase for p in operator_pods] == ["Running"]
+    assert operator_pods[0].spec.service_account_name == RELEASE  # the chart's RBAC, not an admin's
+    folders = persistent_volumes(cluster, "tiny")
+    targets = tmp_path / "targets.json"
+    targets.write_text("[]")
+    prometheus = Prometheus(tmp_path, [{"job_name": "pods", "file_sd_configs": [{"files": [str(targets)]}]}])
+    try:
+        applied = apply_run(cluster, "tiny")
+        wait_for_status(cluster, "tiny", lambda s: (s.get("step") or 0) >= 1, "a first trained step")
+        first_step_s = time.monotonic() - applied
+        write_pod_targets(cluster, "tiny", targets)
+        wait_for_status(cluster, "tiny", lambda s: (s.get("step") or 0) >= STEPS // 2, "half the steps")
+        at = time.time()  # mid-run: every service exports
+        final = wait_for_status(cluster, "tiny", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
+        total_s = time.monotonic() - applied
+        names = assert_every_dashboard_query_answers(prometheus, "tiny", at)
+    finally:
+        prometheus.stop()
+
+    run_dir = folders["tiny-data"] / "run"
+    rewards = [row["train_rollouts/rewards"] for row in read_metrics(run_dir / "metrics.jsonl")]
+    assert len(rewards) == STEPS
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards  # the reward rose
+    assert_each_step_trained_once(run_dir, STEPS)
+    assert final["publishedWeightVersion"] == STEPS
+    generators = final["generators"]
+    assert [g["name"] for g in generators] == ["tiny-generator-0"]
+    # every published version went to every generator pod: versions 1..STEPS, each loaded once
+    assert all(g["loadedVersion"] == STEPS and g["weightLoads"] == STEPS for g in generators), generators
+
+    table = cluster.kubectl("-n", RUNS, "get", "reinforceruns").stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "STEP", "REWARD", "KL", "GENERATORS", "AGE"]
+    assert table[1].split()[:3] == ["tiny", "Succeeded", str(STEPS)]
+    wide = cluster.kubectl("-n", RUNS, "get", "rr", "-o", "wide").stdout.splitlines()[0].split()
+    assert "WEIGHTS" in wide
+
+    local_s, local_first_step_s = run_locally(tmp_path)
+    cluster.timings |= {"kubectl apply to first step": first_step_s, "kubectl apply to Succeeded": total_s,
+                        "local first step": local_first_step_s, "local run": local_s}  # fmt: skip
+    print(f"{names} metric names answered")
+    delete_run_and_its_children(cluster, "tiny")
+
+
+def run_locally(tmp_path: Path) -> tuple[float, float]:
+    """The same spec through `reinforce run`: (total seconds, seconds to the first trained step)."""
+    spec = write_spec(tmp_path / "local")
+    start_s = time.monotonic()
+    proc = start("run", str(spec))
+    wait_for_step(proc, tmp_path / "local" / "run", 1)
+    first_step_s = time.monotonic() - start_s
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
+    return time.monotonic() - start_s, first_step_s
+
+
+def test_pods_deleted_mid_run_lose_no_step(chart_installed: Cluster) -> None:
+    """A generator pod, then the trainer pod, force-deleted mid-run: the run succeeds, each prompt trained once."""
+    cluster = chart_installed
+    folders = persistent_volumes(cluster, "faults")
+    apply_run(cluster, "faults", **{"generation.num_generators": 2, "training.checkpoint_every": 5})
+    core = client.CoreV1Api(cluster.api)
+    for pod, at_step in (("faults-generator-0", 6), ("faults-trainer-0", 13)):
+        wait_for_status(cluster, "faults", lambda s, n=at_step: (s.get("step") or 0) >= n, f"step {at_step}")
+        uid = core.read_namespaced_pod(pod, RUNS).metadata.uid
+        cluster.kubectl("-n", RUNS, "delete", "pod", pod, "--grace-period=0", "--force")
+
+        def replaced(_: dict[str, Any], pod: str = pod, uid: str = uid) -> bool:
+            new = core.list_namespaced_pod(RUNS, field_selector=f"metadata.name={pod}").items
+            return bool(new) and new[0].metadata.uid != uid and new[0].status.phase == "Running"
+
+        wait_for_status(cluster, "faults", replaced, f"{pod} replaced")
+    final = wait_for_status(cluster, "faults", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
+    assert final["publishedWeightVersion"] == STEPS
+    assert_each_step_trained_once(folders["faults-data"] / "run", STEPS)
+    components = {p.metadata.labels[K8S_COMPONENT_LABEL] for p in core.list_namespaced_pod(RUNS).items}
+    assert components <= {"redis", "reward", "generator", "trainer"}, components
+    delete_run_and_its_children(cluster, "faults")

@@ -1,0 +1,243 @@
+"""docker-compose.yml: a valid file for Debian's docker-compose 1.29, whose services run the project's entry points.
+
+The file's commands, environment and health checks, as `docker-compose config` resolves them, are run here as local
+processes (service names -> 127.0.0.1, each fixed port -> one free port, volumes -> folders; otherwise the same
+argv) in the file's start order, each started once its dependencies' health checks pass, with a real redis-server:
+they train the tiny example for a few steps. `make compose-smoke` runs the same file with docker (images built on
+the machine), and the last test here runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import free_port
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+EXAMPLES = ROOT / "examples"
+IMAGE_EXAMPLES = "/opt/reinforce/examples"  # where services/reinforce/core/Dockerfile puts examples/
+DOCKER_COMPOSE = shutil.which("docker-compose")
+needs_compose = pytest.mark.skipif(
+    DOCKER_COMPOSE is None, reason="Debian's docker-compose is not installed (`make install` installs it)"
+)
+
+
+def compose_config(**env: str) -> dict:
+    """The file as docker-compose resolves it: variables substituted, anchors expanded, paths made absolute."""
+    result = subprocess.run(
+        [DOCKER_COMPOSE, "-f", str(COMPOSE), "config"], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@needs_compose
+def test_compose_file_is_valid():
+    result = subprocess.run([DOCKER_COMPOSE, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_spec_is_the_tiny_example():
+    """examples/compose.yaml is tiny.yaml with container paths and weights over HTTP, nothing else."""
+    compose = yaml.safe_load((EXAMPLES / "compose.yaml").read_text())
+    tiny = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    assert compose.pop("run_dir") == "/data/run"
+    assert compose.pop("weights") == {"transport": "http"}
+    assert compose["data"].pop("prompts") == f"{IMAGE_EXAMPLES}/{tiny['data'].pop('prompts')}"
+    assert compose == tiny
+
+
+def dockerfile_cmd(service: str) -> list[str]:
+    text = (ROOT / "services" / service / "Dockerfile").read_text().replace("\\\n", "")
+    [cmd] = re.findall(r"^CMD (\[.*\])$", text, flags=re.MULTILINE)
+    return json.loads(cmd)
+
+
+@needs_compose
+def test_images_default_to_the_compose_commands():
+    services = compose_config()["services"]
+    for service, name in [("reward", "reward"), ("generator", "generator-0"), ("trainer", "trainer")]:
+        assert dockerfile_cmd(service) == services[name]["command"], service
+
+
+class Localize:
+    """Rewrites a compose value for a local process as docker-compose would pass it ($$ -> $), with service names ->
+    127.0.0.1, each fixed port -> one free port (the same in every service), a service's volume targets -> local
+    folders."""
+
+    PORT_FLAG = r"--[\w-]*port|-p"
+
+    def __init__(self, services: list[str], volumes: dict[str, str], ports: dict[str, int]) -> None:
+        self.ports = ports
+        self.hosts = "|".join(re.escape(name) for name in [*services, "127.0.0.1"])
+        self.services = services
+        self.volumes = volumes  # container path -> local path
+
+    def __call__(self, value: str, previous: str = "") -> str:
+        value = value.replace("$$", "$")  # compose's escape for a literal $, which `config` prints unresolved
+        if re.fullmatch(self.PORT_FLAG, previous):
+            return str(self.ports[value])
+        if previous.endswith("-host") and value in self.services:
+            return "127.0.0.1"
+        value = re.sub(rf"\b({self.hosts}):(\d+)\b", lambda m: f"127.0.0.1:{self.ports[m[2]]}", value)
+        value = re.sub(rf"({self.PORT_FLAG}) (\d+)\b", lambda m: f"{m[1]} {self.ports[m[2]]}", value)
+        for target, local in self.volumes.items():
+            value = value.replace(target, local)
+        return value
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return [self(arg, previous) for previous, arg in zip(["", *argv], argv, strict=False)]
+
+
+def start_order(services: dict) -> list[str]:
+    order: list[str] = []
+    while len(order) < len(services):
+        ready = [s for s in services if s not in order and set(services[s].get("depends_on", {})) <= set(order)]
+        assert ready, f"depends_on has a cycle among {set(services) - set(order)}"
+        order += sorted(ready)
+    return order
+
+
+def volume_folders(service: dict, tmp_path: Path) -> dict[str, str]:
+    """Container path -> local path: a bind mount's source, or a folder for a named volume."""
+    folders = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if not source.startswith("/"):
+            source = str(tmp_path / "volumes" / source)
+            Path(source).mkdir(parents=True, exist_ok=True)
+        folders[target] = source
+    return folders
+
+
+def health_argv(service: dict) -> list[str] | None:
+    kind, *rest = service.get("healthcheck", {}).get("test", ["NONE"])
+    if kind == "NONE":  # `disable: true`, as `docker-compose config` prints it
+        return None
+    return rest if kind == "CMD" else ["sh", "-c", *rest]
+
+
+@needs_compose
+@pytest.mark.slow
+def test_compose_commands_train_the_tiny_example(tmp_path):
+    if shutil.which("redis-server") is None or shutil.which("curl") is None:
+        pytest.skip("needs redis-server and curl (make install installs them)")
+    spec = yaml.safe_load((EXAMPLES / "compose.yaml").read_text())
+    spec["run_dir"] = str(tmp_path / "run")
+    spec["data"]["prompts"] = spec["data"]["prompts"].replace(IMAGE_EXAMPLES, str(EXAMPLES))
+    spec["training"].update(steps=3, checkpoint_every=3)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    services = compose_config(REINFORCE_SPEC=str(spec_file))["services"]
+    ports: dict[str, int] = defaultdict(free_port)
+    env_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python`, `reinforce`: this venv's
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: dict[str, subprocess.Popen] = {}
+
+    def log_tail(name: str) -> str:
+        return (logs / f"{name}.log").read_text()[-3000:]
+
+    try:
+        for name in start_order(services):
+            service = services[name]
+            localize = Localize(list(services), volume_folders(service, tmp_path), ports)
+            env = {**os.environ, "PATH": env_path}
+            env.update({key: localize(str(value)) for key, value in service.get("environment", {}).items()})
+            with (logs / f"{name}.log").open("w") as log:
+                procs[name] = subprocess.Popen(
+                    localize.argv(service["command"]), env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            if (check := health_argv(service)) is None:
+                continue
+            deadline = time.monotonic() + 180
+            while subprocess.run(localize.argv(check), env=env, capture_output=True).returncode != 0:
+                assert procs[name].poll() is None, f"{name} exited:\n{log_tail(name)}"
+                assert time.monotonic() < deadline, f"{name} not healthy in 180 s:\n{log_tail(name)}"
+                time.sleep(0.5)
+        code = procs["trainer"].wait(timeout=300)
+        assert code == 0, log_tail("trainer")
+    finally:
+        for proc in reversed(procs.values()):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(timeout=30)
+    paths = RunPaths(tmp_path / "run")
+    assert [row["step"] for row in read_metrics(paths.metrics)] == [1, 2, 3]
+    assert (paths.checkpoints / "step-000003").is_dir()
+    assert (paths.final_model / "config.json").exists()
+
+
+@needs_compose
+@pytest.mark.slow
+@pytest.mark.docker
+def test_compose_stack_in_containers_trains_the_tiny_example(tmp_path):
+    """`make compose-smoke`: the images built from a debootstrapped Debian, the stack up in Debian's dockerd."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: scripts/build-images.sh runs debootstrap and dockerd")
+    # Output to files, not pipes: a daemon the script leaves running (dockerd) that kept a copy of the script's
+    # stdout or stderr would make a pipe reader wait for ever; here it is named instead.
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        result = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "compose-smoke.sh")], stdout=out, stderr=err, timeout=1800
+        )
+    assert result.returncode == 0, f"{stdout.read_text()[-3000:]}\n{stderr.read_text()[-5000:]}"
+    assert processes_holding(stdout, stderr) == [], "processes left running hold the script's output open"
+    steps = yaml.safe_load((EXAMPLES / "compose.yaml").read_text())["training"]["steps"]
+    [summary] = [line for line in stdout.read_text().splitlines() if line.startswith("compose-smoke:")]
+    print(summary)
+    assert summary.startswith(f"compose-smoke: {steps} steps in "), summary
+
+
+def processes_holding(*files: Path) -> list[str]:
+    """'PID COMMAND' of every process with one of these files open."""
+    wanted = {(st.st_dev, st.st_ino) for st in map(os.stat, files)}
+    holders = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            st = os.stat(fd)
+            if (st.st_dev, st.st_ino) in wanted:
+                pid = fd.parent.parent.name
+                holders.add(f"{pid} {Path('/proc', pid, 'comm').read_text().strip()}")
+        except OSError:  # the process or descriptor went away meanwhile
+            continue
+    return sorted(holders)
+
+
+def test_rollout_exits_on_sigterm(redis_url):
+    """`docker stop` sends SIGTERM to the command, PID 1 of its container, which ignores signals it has no handler
+    for: `reinforce rollout` must handle it, or every `docker-compose down` waits out the grace period."""
+    env = {**os.environ, "REINFORCE_REDIS_URL": redis_url, "REINFORCE_CONTROL_TOKEN": "t"}
+    argv = [
+        sys.executable,
+        "-m",
+        "reinforce",
+        "rollout",
+        "--run",
+        "tiny",
+        "--generator",
+        f"g=http://127.0.0.1:{free_port()}",
+    ]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_line = proc.stdout.readline()  # its first pass logged: in the reconcile loop (EOF if it exited)
+    assert "g has loaded None" in first_line, first_line + proc.communicate()[0]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=5) == 0, proc.communicate()[0]

@@ -1,0 +1,217 @@
+"""The Helm chart: lint, render, validate, and install into the real API server, whose operator (run in-process
+with the chart's own ServiceAccount token, since there is no kubelet) then runs a ReinforceRun applied with
+kubectl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from k8s import API, HELM, KUBECTL, KubeCluster, example_run, install_crd, kube_apiserver, operator, wait_for  # noqa: F401
+from kubernetes import client
+
+from generate import crd
+from generate.chart_values import CHART, ChartValues
+from generate.dashboards import ALERTS
+from generate.operator_manifest import OPERATOR_RULES
+from reinforce.core.names import PROMETHEUS_COMPONENT_LABEL, PROMETHEUS_INSTANCE_LABEL, PROMETHEUS_RUN_LABEL
+
+# The newest schemas kubernetes-validate ships that are closest to the test server's 1.20; every kind the
+# chart renders is served, with the same schema, by both.
+VALIDATE_VERSION = "1.25.0"
+MONITORING_APIS = [
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PodMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+]
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    out = helm("template", "rel", str(CHART), "--namespace", "reinforce-system", *args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def test_values_file_is_the_model() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert ChartValues.model_validate(values).operatorConfig.images.redis == "redis:7.0"
+
+
+def test_lint_passes() -> None:
+    result = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_rendered_objects_validate_and_the_role_is_the_operators() -> None:
+    objects = render()
+    kinds = sorted(o["kind"] for o in objects)
+    dashboards = len(list((CHART / "dashboards").glob("*.json")))
+    assert dashboards == 4
+    assert kinds == sorted(
+        ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "ServiceAccount"] + ["ConfigMap"] * dashboards
+    )
+    for obj in objects:
+        kubernetes_validate.validate(obj, VALIDATE_VERSION, strict=True)
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    assert role["rules"] == OPERATOR_RULES
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["reinforce", "operator"] and not any(c.startswith("--namespace") for c in command)
+    config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rel-reinforce-config")
+    assert yaml.safe_load(config["data"]["operator.yaml"])["images"]["redis"] == "redis:7.0"
+
+
+def test_monitoring_objects_only_where_their_apis_exist() -> None:
+    assert not {o["kind"] for o in render()} & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    args = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
+    objects = render(*args)
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= {o["kind"] for o in objects}
+    rules = next(o for o in objects if o["kind"] == "PrometheusRule")["spec"]["groups"][0]["rules"]
+    assert [r["alert"] for r in rules] == [a.name for a in ALERTS]
+    # Both monitors give every series the labels the dashboards and alerts select by.
+    monitors = [o["spec"] for o in objects if o["kind"] in {"ServiceMonitor", "PodMonitor"}]
+    for (endpoint,) in [m.get("endpoints") or m["podMetricsEndpoints"] for m in monitors]:
+        assert {r["targetLabel"] for r in endpoint["relabelings"]} == {
+            PROMETHEUS_RUN_LABEL,
+            PROMETHEUS_COMPONENT_LABEL,
+            PROMETHEUS_INSTANCE_LABEL,
+        }
+
+
+def test_namespaces_and_operator_config_reach_the_operator() -> None:
+    objects = render("--set", "watchNamespaces={team-a,team-b}", "--set", "operatorConfig.images.trainer=mine:2")
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-2:] == ["--namespace=team-a", "--namespace=team-b"]
+    config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rel-reinforce-config")
+    assert yaml.safe_load(config["data"]["operator.yaml"])["images"]["trainer"] == "mine:2"
+
+
+def test_host_network_profile_points_the_operator_at_the_api_server() -> None:
+    objects = render(
+        "--set", "hostNetwork=true", "--set", "apiServer=127.0.0.1:6443", "--set", "operatorConfig.profile=host-network"
+    )  # fmt: skip
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env == {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
+    assert (
+        "env" not in next(o for o in render() if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "complaint"),
+    [
+        ("rbac=maybe", "rbac"),
+        ("bogus=1", "bogus"),
+        ("operatorConfig.ports.generator=70000", "generator"),
+        ("operatorConfig.pods.trainer.gpus=-1", "gpus"),
+        ("apiServer=https://x", "apiServer"),
+        ("operatorConfig.profile=flat", "profile"),
+    ],
+)
+def test_the_schema_refuses_bad_values_naming_them(setting: str, complaint: str) -> None:
+    result = helm("template", "rel", str(CHART), "--set", setting, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr and complaint in result.stderr
+
+
+# ---- installed into the real API server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def installed(kube_apiserver: KubeCluster) -> Iterator[str]:  # noqa: F811
+    """`helm install` into namespace reinforce-chart; yields the release's namespace."""
+    namespace = "reinforce-chart"
+    kubeconfig = str(kube_apiserver.admin_kubeconfig)
+    helm("install", "rel", str(CHART), "--namespace", namespace, "--create-namespace", "--kubeconfig", kubeconfig)
+    yield namespace
+    helm("uninstall", "rel", "--namespace", namespace, "--kubeconfig", kubeconfig)
+
+
+@pytest.mark.slow
+def test_helm_install_then_kubectl_apply_a_run_gets_its_children(
+    kube_apiserver: KubeCluster,  # noqa: F811
+    installed: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with kube_apiserver.api_client() as admin:
+        deployment = client.AppsV1Api(admin).read_namespaced_deployment("rel-reinforce", installed)
+        assert deployment.spec.template.spec.service_account_name == "rel-reinforce"
+        install_crd(admin, yaml.safe_load(crd.DEFAULT_OUTPUT.read_text()))  # helm's copy may predate this session
+        config = client.CoreV1Api(admin).read_namespaced_config_map("rel-reinforce-config", installed)
+        runs_namespace = "chart-runs"
+        client.CoreV1Api(admin).create_namespace({"metadata": {"name": runs_namespace}})
+
+    # the operator as the chart deploys it: its ServiceAccount's token, its ConfigMap's configuration
+    (tmp_path / "operator.yaml").write_text(config.data["operator.yaml"])
+    monkeypatch.setenv("REINFORCE_OPERATOR_CONFIG", str(tmp_path / "operator.yaml"))
+    monkeypatch.setenv("KUBECONFIG", str(kube_apiserver.kubeconfig_for_service_account(installed, "rel-reinforce")))
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(example_run("from-kubectl")))
+    with operator(runs_namespace):
+        applied = subprocess.run(
+            [
+                KUBECTL,
+                "--kubeconfig",
+                str(kube_apiserver.admin_kubeconfig),
+                "-n",
+                runs_namespace,
+                "apply",
+                "-f",
+                str(run_file),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert applied.returncode == 0, applied.stderr
+        with kube_apiserver.api_client() as admin:
+            apps = client.AppsV1Api(admin)
+            names = lambda: {d.metadata.name for d in apps.list_namespaced_deployment(runs_namespace).items}  # noqa: E731
+            assert wait_for(lambda: names() == {"from-kubectl-reward", "from-kubectl-generator"}, 30)
+            trainer = apps.read_namespaced_stateful_set("from-kubectl-trainer", runs_namespace)
+            # the chart's operatorConfig
+            assert trainer.spec.template.spec.containers[0].image == "reinforce-trainer:0.1.0"
+            runs = client.CustomObjectsApi(admin)
+            wait_for(
+                lambda: (
+                    (
+                        runs.get_namespaced_custom_object(*API, runs_namespace, crd.PLURAL, "from-kubectl").get(
+                            "status"
+                        )
+                        or {}
+                    ).get("phase")
+                    == "Pending"
+                ),
+                15,
+            )
+    listed = subprocess.run(
+        [
+            KUBECTL,
+            "--kubeconfig",
+            str(kube_apiserver.admin_kubeconfig),
+            "-n",
+            runs_namespace,
+            "get",
+            "rr",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(listed.stdout)["items"][0]["status"]["generatorsReady"] == "0/1"

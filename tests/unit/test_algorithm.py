@@ -1,0 +1,121 @@
+"""The REINFORCE/RLOO math against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from reinforce.trainer.algorithms.reinforce import (
+    kl_per_token,
+    masked_mean,
+    policy_gradient_loss,
+    rloo_advantages,
+    rloo_baseline,
+    sequence_kl,
+)
+
+# d = logprobs - ref = [0.5, -0.5, (padding)]
+LOGPROBS = torch.tensor([[-1.0, -2.0, -3.0]])
+REF = torch.tensor([[-1.5, -1.5, 99.0]])  # the padded position holds garbage that must not leak in
+MASK = torch.tensor([[1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    ("estimator", "absolute", "expected"),
+    [
+        ("k1", True, 0.5),
+        ("k1", False, 0.0),
+        ("k2", False, 0.125),
+        ("k3", False, ((math.exp(-0.5) - 0.5) + (math.exp(0.5) - 1.5)) / 2),
+    ],
+)
+def test_sequence_kl_estimators(estimator, absolute, expected):
+    kl = sequence_kl(LOGPROBS, REF, MASK, estimator, absolute)
+    assert kl.shape == (1,)
+    assert kl.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_k2_and_k3_ignore_use_absolute_kl():
+    d_pos = kl_per_token(torch.tensor([0.3]), torch.tensor([0.0]), "k3", True)
+    d_neg = kl_per_token(torch.tensor([0.3]), torch.tensor([0.0]), "k3", False)
+    assert d_pos.item() == d_neg.item() == pytest.approx(math.exp(-0.3) - 1 + 0.3)
+
+
+def test_masked_mean_of_empty_response_is_zero():
+    assert masked_mean(torch.tensor([[5.0, 7.0]]), torch.tensor([[0, 0]])).item() == 0.0
+
+
+def test_rloo_all_ended_is_mean_of_others():
+    r = torch.tensor([[1.0, 2.0, 4.0]])
+    b = rloo_baseline(r, torch.tensor([[True, True, True]]))
+    assert b.tolist() == [[3.0, 2.5, 1.5]]
+
+
+def test_rloo_unended_sample_gets_true_mean_of_ended_others():
+    r = torch.tensor([[1.0, 2.0, 4.0]])
+    b = rloo_baseline(r, torch.tensor([[True, True, False]]))
+    # ended samples see the one other ended sample; the unended one sees the mean of both (not 3 / (M-1)).
+    assert b.tolist() == [[2.0, 1.0, 1.5]]
+
+
+def test_rloo_fewer_than_two_ended_gives_zero_advantage():
+    r = torch.tensor([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    adv = rloo_advantages(r, torch.zeros_like(r), torch.tensor([[True, False, False], [False] * 3]), 0.1)
+    assert torch.equal(adv.advantages, torch.zeros_like(r))
+
+
+def test_rloo_single_sample_per_prompt_has_zero_advantage():
+    r = torch.tensor([[1.0], [2.0]])
+    adv = rloo_advantages(r, torch.zeros_like(r), torch.tensor([[True], [True]]), 0.0)
+    assert torch.equal(adv.advantages, torch.zeros_like(r))
+
+
+def test_rloo_groups_are_independent():
+    r = torch.tensor([[1.0, 3.0], [10.0, 30.0]])
+    b = rloo_baseline(r, torch.ones_like(r, dtype=torch.bool))
+    assert b.tolist() == [[3.0, 1.0], [30.0, 10.0]]
+
+
+def test_rewards_with_kl_and_advantages():
+    r = torch.tensor([[1.0, 0.0]])
+    kl = torch.tensor([[0.5, 1.0]])
+    adv = rloo_advantages(r, kl, torch.tensor([[True, True]]), kl_penalty=0.1)
+    assert adv.rewards_with_kl.tolist()[0] == pytest.approx([0.95, -0.1])
+    assert adv.advantages.tolist()[0] == pytest.approx([1.05, -1.05])
+
+
+def test_advantages_carry_no_gradient():
+    r = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    kl = torch.tensor([[0.1, 0.2]], requires_grad=True)
+    adv = rloo_advantages(r, kl, torch.tensor([[True, True]]), 0.1)
+    assert not adv.advantages.requires_grad
+
+
+def test_policy_gradient_loss_is_masked_token_mean():
+    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, 123.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    # -( (-1 - 2) * 1 + (-3) * -2 ) / 3 tokens
+    assert policy_gradient_loss(logprobs, adv, mask, num_tokens=3).item() == pytest.approx(-1.0)
+
+
+def test_micro_batches_sum_to_full_batch_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, requires_grad=True)
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0], [1] * 5, [1, 0, 0, 0, 0], [1] * 2 + [0] * 3])
+    adv = torch.randn(6)
+    n = int(mask.sum())
+    policy_gradient_loss(torch.log_softmax(logits, -1), adv, mask, n).backward()
+    full_grad = logits.grad.clone()
+    logits.grad = None
+    for rows in (slice(0, 4), slice(4, 6)):
+        policy_gradient_loss(torch.log_softmax(logits, -1)[rows], adv[rows], mask[rows], n).backward()
+    assert torch.allclose(logits.grad, full_grad, atol=1e-7)
+
+
+def test_gradient_raises_logprob_of_positive_advantage():
+    logit = torch.zeros(1, 2, requires_grad=True)
+    logprob = torch.log_softmax(logit, -1)[:, :1]  # log pi of token 0
+    policy_gradient_loss(logprob, torch.tensor([1.0]), torch.ones(1, 1), 1).backward()
+    # gradient descent on the loss moves logit 0 up and logit 1 down
+    assert logit.grad[0, 0] < 0 < logit.grad[0, 1]

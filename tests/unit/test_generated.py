@@ -1,0 +1,40 @@
+"""Generated files stay in step with their single source of truth (`make generate` and `make proto` rewrite them)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from generate import chart_values, crd, dashboards, operator_manifest, readme
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_records_pb2_matches_the_proto(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto/reinforce/v1'}",
+         f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", "records.proto"],
+        check=True,
+    )  # fmt: skip
+    for name in ("records_pb2.py", "records_pb2.pyi"):
+        committed = (ROOT / "services/reinforce/core" / name).read_text()
+        assert (tmp_path / name).read_text() == committed, f"services/reinforce/core/{name} is stale: run `make proto`"
+
+
+@pytest.mark.parametrize("module", [crd, chart_values, operator_manifest, dashboards, readme], ids=lambda m: m.__name__)
+def test_committed_files_match_their_source(module):
+    for path, content in module.generated_files().items():
+        assert path.exists() and path.read_text() == content, f"{path.relative_to(ROOT)} is stale: run `make generate`"
+
+
+def test_no_stray_dashboard():
+    written = {p for p in dashboards.generated_files() if p.suffix == ".json"}
+    assert set(dashboards.DASHBOARDS_DIR.glob("*.json")) == written
+
+
+def test_the_installed_package_writes_nothing_into_the_source_tree():
+    """Generators live in scripts/generate, outside the package: no module of it names a repository file to write."""
+    package = ROOT / "services" / "reinforce"
+    offenders = [p for p in package.rglob("*.py") if "write_text(" in p.read_text() and "parents[" in p.read_text()]
+    assert not offenders, offenders

@@ -1,0 +1,87 @@
+"""The run spec: examples load, bad input names the field, nothing crashes the loader."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
+
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "tiny.yaml"])
+def test_examples_load_and_round_trip(name):
+    spec = load_spec(EXAMPLES / name)
+    assert parse_spec(yaml.safe_load(dump_spec(spec))) == spec
+
+
+def test_defaults_follow_nemo_aligner():
+    spec = parse_spec(MINIMAL)
+    assert spec.algorithm.num_rollouts_per_prompt == 4
+    assert spec.algorithm.initial_policy_kl_penalty == 0.01
+    assert spec.algorithm.use_absolute_kl is True
+    assert spec.training.max_grad_norm == 1.0
+    assert spec.resolved_run_dir() == Path("runs/t")
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected"),
+    [
+        ({"training": {"lr": 0}}, "training.lr: Input should be greater than 0"),
+        ({"training": {"steps": "many"}}, "training.steps: Input should be a valid integer"),
+        ({"generation": {"top_p": 1.5}}, "generation.top_p: Input should be less than or equal to 1"),
+        ({"algorithm": {"kl_estimator": "k4"}}, "algorithm.kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
+        ({"algorithm": {"max_policy_lag": -1}}, "algorithm.max_policy_lag: Input should be greater than or equal to 0"),
+        ({"generation": {"temprature": 1.0}}, "generation.temprature: Extra inputs are not permitted"),
+        ({"policy": {"random_init": {"hidden_size": 30, "num_heads": 4}}}, "policy.random_init: Value error"),
+        ({"policy": {"path": "x", "random_init": {}}}, "policy: Value error, set exactly one of path and random_init"),
+        ({"reward": {"type": "python"}}, "reward: Value error, type python needs function"),
+        ({"reward": {"type": "python", "function": "no colon"}}, "reward.function: String should match pattern"),
+        ({"name": "Has Spaces"}, "name: String should match pattern"),
+        ({"training": {"prompts_per_step": 6, "num_ranks": 4}}, "training.prompts_per_step (6) must be a multiple"),
+    ],
+)
+def test_bad_fields_are_named(patch, expected):
+    data = {**MINIMAL, **patch}
+    with pytest.raises(SpecError) as err:
+        parse_spec(data, "run.yaml")
+    assert expected in str(err.value)
+    assert str(err.value).startswith("run.yaml: invalid run spec")
+
+
+def test_missing_required_section_is_named():
+    with pytest.raises(SpecError, match=r"data: Field required"):
+        parse_spec({"name": "t", "policy": {"random_init": {}}})
+
+
+def test_unreadable_and_non_yaml_files_name_the_file(tmp_path):
+    with pytest.raises(SpecError, match=r"nope\.yaml: cannot read"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match=r"bad\.yaml: not valid YAML"):
+        load_spec(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(SpecError, match=r"bad\.yaml: a run spec must be a mapping"):
+        load_spec(bad)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=12,
+)
+sections = st.sampled_from(["policy", "reward", "data", "algorithm", "generation", "training", "name", "seed"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(sections, json_values, max_size=6))
+def test_fuzzed_specs_either_parse_or_raise_spec_error(data):
+    try:
+        assert isinstance(parse_spec({**MINIMAL, **data}), RunSpec)
+    except SpecError as err:
+        assert "invalid run spec" in str(err)

@@ -1,0 +1,107 @@
+"""Trainer pieces that need no running services: the LR schedule, step batches, checkpoints, weights."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
+from reinforce.core.spec import TrainingSpec
+from reinforce.core.weights import WeightError, load_verified, module_loader, publish
+from reinforce.trainer.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from reinforce.trainer.main import StepBatch, lr_factor, prompt_seed
+
+
+def tiny_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_constant_schedule_with_warmup():
+    t = TrainingSpec(steps=10, warmup_steps=4)
+    assert [lr_factor(t, s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_cosine_schedule_ends_at_min_ratio():
+    t = TrainingSpec(steps=12, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    assert lr_factor(t, 2) == pytest.approx(1.0)
+    assert lr_factor(t, 7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(t, 12) == pytest.approx(0.1)
+    factors = [lr_factor(t, s) for s in range(2, 13)]
+    assert factors == sorted(factors, reverse=True)
+
+
+def test_prompt_seed_is_stable_and_distinct():
+    assert prompt_seed(1, "3-0") == prompt_seed(1, "3-0")
+    assert len({prompt_seed(1, f"3-{i}") for i in range(100)} | {prompt_seed(2, "3-0")}) == 101
+
+
+def test_step_batch_drops_non_finite_rewards():
+    group = RolloutGroup(
+        prompt_id="0-0",
+        samples=[
+            Sample(token_ids=[1, 2], reward=1.0, is_end=True),
+            Sample(token_ids=[1], reward=float("nan"), is_end=True),
+            Sample(token_ids=[1, 2, 3], reward=float("inf"), is_end=False),
+            Sample(token_ids=[4], reward=0.5, is_end=True),
+        ],
+    )
+    batch = StepBatch.from_groups([group])
+    assert batch.keep.tolist() == [[True, False, False, True]]
+    assert batch.is_end.tolist() == [[True, False, False, True]]  # dropped samples leave the baseline
+    assert torch.isfinite(batch.rewards).all()
+    assert batch.num_tokens == 3
+
+
+def test_weights_round_trip_and_corruption_is_refused(tmp_path):
+    source, target = tiny_model(0), tiny_model(1)
+    published = publish(source, tmp_path, version=5)
+    assert published.version == 5 and len(published.sha256) == 64
+    load_verified(module_loader(target), published)
+    assert same_weights(source, target)
+
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    tampered = WeightVersion()
+    tampered.CopyFrom(published)
+    tampered.sha256 = "0" * 64
+    with pytest.raises(WeightError, match="sha256"):
+        load_verified(module_loader(target), tampered)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_only_recent_weight_versions_are_kept(tmp_path):
+    model = tiny_model(0)
+    for version in range(6):
+        publish(model, tmp_path, version, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"v00000{v}.safetensors" for v in (3, 4, 5)]
+
+
+def test_checkpoint_round_trip_keeps_last_k(tmp_path):
+    model = tiny_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    for step in (1, 2, 3):
+        model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+        optimizer.step()
+        scheduler.step()
+        save_checkpoint(tmp_path, TrainerState(step, {"epoch": 0, "index": step}, step), model, optimizer, scheduler, 2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+
+    restored = tiny_model(7)
+    opt2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (s + 1))
+    state = load_checkpoint(list_checkpoints(tmp_path)[-1], restored, opt2, sched2)
+    assert state == TrainerState(3, {"epoch": 0, "index": 3}, 3)
+    assert same_weights(model, restored)
+    assert sched2.last_epoch == scheduler.last_epoch
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
