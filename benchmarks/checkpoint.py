@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from reinforce.core.models import load_policy
+from reinforce.core.spec import TrainingSpec
 from reinforce.core.weights import publish
+from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from reinforce.trainer.distributed import Ranks
 
 
 def timed(fn):
@@ -32,18 +34,17 @@ def folder_size(path: Path) -> int:
 
 def main() -> None:
     model_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/quickstart/initial_policy")
-    model = load_policy(model_dir).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    backend = TorchBackend(TrainingSpec(), model_dir, Ranks())
+    model = backend.policy
     model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
-    optimizer.step()  # AdamW's moment buffers exist only after a step
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    backend.optimizer_step()  # AdamW's moment buffers exist only after a step
     params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         state = TrainerState(step=1, cursor={}, weight_version=1)
-        path, write_s = timed(lambda: save_checkpoint(root / "ckpt", state, model, optimizer, scheduler, keep=1))
+        path, write_s = timed(lambda: save_checkpoint(root / "ckpt", state, backend, keep=1))
         size = folder_size(path)
-        _, load_s = timed(lambda: load_checkpoint(path, model, optimizer, scheduler))
+        _, load_s = timed(lambda: load_checkpoint(path, backend))
         weights, publish_s = timed(lambda: publish(model, root / "weights", 1))
         _, copy_s = timed(lambda: shutil.copyfile(weights.uri, root / "copy.safetensors"))
     mb = 1e6

@@ -9,8 +9,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
 from reinforce.core.spec import TrainingSpec
 from reinforce.core.weights import WeightError, load_verified, module_loader, publish
+from reinforce.trainer.backends.base import lr_factor
+from reinforce.trainer.backends.torch_backend import TorchBackend
+from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
-from reinforce.trainer.main import StepBatch, lr_factor, prompt_seed
+from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.feed import prompt_seed
 
 
 def tiny_model(seed: int) -> LlamaForCausalLM:
@@ -87,21 +91,23 @@ def test_only_recent_weight_versions_are_kept(tmp_path):
 
 
 def test_checkpoint_round_trip_keeps_last_k(tmp_path):
-    model = tiny_model(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    policy_dir = tmp_path / "policy"
+    tiny_model(0).save_pretrained(policy_dir)
+    training = TrainingSpec(lr=1e-3, lr_schedule="cosine", steps=10)
+    backend = TorchBackend(training, policy_dir, Ranks())
     for step in (1, 2, 3):
-        model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
-        optimizer.step()
-        scheduler.step()
-        save_checkpoint(tmp_path, TrainerState(step, {"epoch": 0, "index": step}, step), model, optimizer, scheduler, 2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+        backend.zero_grad()
+        backend.policy(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+        backend.optimizer_step()
+        state = TrainerState(step, {"epoch": 0, "index": step}, step)
+        save_checkpoint(tmp_path / "ckpt", state, backend, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step-000002", "step-000003"]
 
-    restored = tiny_model(7)
-    opt2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
-    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (s + 1))
-    state = load_checkpoint(list_checkpoints(tmp_path)[-1], restored, opt2, sched2)
+    restored = TorchBackend(training, policy_dir, Ranks())
+    state = load_checkpoint(list_checkpoints(tmp_path / "ckpt")[-1], restored)
     assert state == TrainerState(3, {"epoch": 0, "index": 3}, 3)
-    assert same_weights(model, restored)
-    assert sched2.last_epoch == scheduler.last_epoch
-    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert same_weights(backend.policy, restored.policy)
+    assert not same_weights(restored.policy, restored.reference)  # the reference stays the initial policy
+    assert restored.scheduler.last_epoch == backend.scheduler.last_epoch
+    exp_avg = [b.optimizer.state_dict()["state"][0]["exp_avg"] for b in (backend, restored)]
+    assert torch.equal(*exp_avg)

@@ -119,7 +119,7 @@ class DataSpec(_Section):
 class AlgorithmSpec(_Section):
     """REINFORCE with the RLOO baseline and a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
 
-    name: Literal["reinforce"] = Field("reinforce", description="Algorithm (PPO is planned).")
+    name: Literal["reinforce"] = Field("reinforce", description="Algorithm: reinforce (RLOO baseline, KL penalty).")
     num_rollouts_per_prompt: int = Field(4, ge=1, description="k: samples per prompt.")
     initial_policy_kl_penalty: float = Field(0.01, ge=0, description="beta of rewards_with_kl = r - beta*KL.")
     use_absolute_kl: bool = Field(True, description="With kl_estimator k1, average |d_t| instead of d_t.")
@@ -158,6 +158,9 @@ class GenerationSpec(_Section):
 class TrainingSpec(_Section):
     """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
 
+    backend: Literal["torch"] = Field(
+        "torch", description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks)."
+    )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
     num_ranks: int = Field(1, ge=1, description="Data-parallel trainer processes (torchrun; gloo on CPU, NCCL on GPU).")

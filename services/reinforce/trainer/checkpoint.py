@@ -1,8 +1,8 @@
 """Trainer checkpoints: a folder per step, written to a temporary name and renamed, the last K kept.
 
 checkpoints/step-000010/
-    model.safetensors    policy weights (safetensors)
-    optimizer.pt         optimizer and scheduler state (tensors and numbers; read with weights_only=True)
+    ...                  the backend's state: for the torch backend model.safetensors (policy weights) and
+                         optimizer.pt (optimizer and scheduler state; read with weights_only=True)
     rng.pt               torch RNG state
     trainer_state.json   step, data cursor, published weight version
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+
+from reinforce.trainer.backends.base import TrainerBackend
 
 _PREFIX = "step-"
 
@@ -32,17 +33,14 @@ class TrainerState:
 def save_checkpoint(
     root: Path,
     state: TrainerState,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    backend: TrainerBackend,
     keep: int,
 ) -> Path:
     final = root / f"{_PREFIX}{state.step:06d}"
     tmp = root / f".tmp-{_PREFIX}{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    backend.save_state(tmp)
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
     shutil.rmtree(final, ignore_errors=True)
@@ -56,15 +54,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir())
 
 
-def load_checkpoint(
-    path: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> TrainerState:
-    load_model(model, str(path / "model.safetensors"))
-    opt = torch.load(path / "optimizer.pt", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
+def load_checkpoint(path: Path, backend: TrainerBackend) -> TrainerState:
+    backend.load_state(path)
     torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))

@@ -9,15 +9,12 @@ trainer publishes version s + 1 before it enqueues the prompts of step s + 1.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,27 +22,20 @@ from prometheus_client import start_http_server
 
 from reinforce.core.data import PromptCursor, read_prompt_file
 from reinforce.core.metrics import TrainerMetrics, read_metrics
-from reinforce.core.models import (
-    encode_prompt_checked,
-    load_policy,
-    load_tokenizer,
-    materialize_policy,
-    response_logprobs,
-)
+from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
-from reinforce.core.records_pb2 import Prompt, RolloutGroup
+from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths
-from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
+from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.weights import WeightServer, publish
-from reinforce.trainer.algorithms.reinforce import (
-    policy_gradient_loss,
-    rloo_advantages,
-    sequence_kl,
-    truncated_importance_weights,
-)
+from reinforce.trainer.algorithms import build_algorithm
+from reinforce.trainer.backends import build_backend
+from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.feed import PromptFeeder
 from reinforce.trainer.plot import plot_metrics
 
 log = logging.getLogger("reinforce.trainer")
@@ -68,120 +58,6 @@ MAXED_METRICS = {
     "timers/weight_publish",
     "timers/step_time",
 }
-DATA_STATS = ("data/truncated_prompts", "data/skipped_long_prompts")
-
-
-def lr_factor(training: TrainingSpec, step: int) -> float:
-    """Linear warm-up to 1, then constant or cosine down to min_lr_ratio at the last step."""
-    if step < training.warmup_steps:
-        return (step + 1) / training.warmup_steps
-    if training.lr_schedule == "constant":
-        return 1.0
-    progress = (step - training.warmup_steps) / max(1, training.steps - training.warmup_steps)
-    return training.min_lr_ratio + (1 - training.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def prompt_seed(run_seed: int, prompt_id: str) -> int:
-    """A sampling seed that depends only on the run and the prompt, so a re-sampled prompt repeats itself."""
-    return int.from_bytes(hashlib.sha256(f"{run_seed}:{prompt_id}".encode()).digest()[:7], "big")
-
-
-@dataclass
-class StepBatch:
-    """One step's rollout groups as tensors, groups in prompt order."""
-
-    groups: list[RolloutGroup]
-    rewards: torch.Tensor  # [G, k]
-    is_end: torch.Tensor  # [G, k] bool; False also for samples dropped for a non-finite reward
-    keep: torch.Tensor  # [G, k] bool; samples that contribute to the loss
-    num_tokens: int  # response tokens of kept samples: the loss normaliser
-
-    @classmethod
-    def from_groups(cls, groups: list[RolloutGroup]) -> StepBatch:
-        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-        keep = torch.isfinite(rewards)
-        is_end = torch.tensor([[s.is_end for s in g.samples] for g in groups]) & keep
-        lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups])
-        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()))
-
-
-class PolicyUpdate:
-    """The policy, its frozen reference, AdamW and the LR schedule: one optimisation step per rollout batch."""
-
-    def __init__(self, spec: RunSpec, policy_dir: Path, ranks: Ranks) -> None:
-        self.spec = spec
-        self.ranks = ranks
-        self.policy = load_policy(policy_dir).train()
-        # The reference is always the initial policy, also after a resume.
-        self.reference = load_policy(policy_dir).requires_grad_(False)
-        t = spec.training
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
-
-    def apply(self, batch: StepBatch, version: int) -> dict[str, float]:
-        """One optimisation pass over this rank's groups of the step (trained weights: `version`),
-        micro-batched by whole groups (RLOO needs them); gradients are summed over ranks."""
-        alg, t = self.spec.algorithm, self.spec.training
-        self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = self.ranks.sum(batch.num_tokens)  # the loss is the token mean over every rank's batch
-        kl_all, rwk_all, adv_all = [], [], []
-        loss_total, ref_seconds = 0.0, 0.0
-        mismatch, weights = TokenStats(), TokenStats()
-        train_start = time.perf_counter()
-        for start in range(0, len(batch.groups), t.micro_batch_prompts):
-            rows = slice(start, start + t.micro_batch_prompts)
-            groups = batch.groups[rows]
-            prompt_ids = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
-            response_ids = [list(s.token_ids) for g in groups for s in g.samples]
-            ref_start = time.perf_counter()
-            with torch.no_grad():
-                ref_logprobs, _ = response_logprobs(
-                    self.reference, prompt_ids, response_ids, self.spec.generation.temperature
-                )
-            ref_seconds += time.perf_counter() - ref_start
-            logprobs, mask = response_logprobs(self.policy, prompt_ids, response_ids, self.spec.generation.temperature)
-            shape = batch.rewards[rows].shape
-            kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
-            adv = rloo_advantages(
-                batch.rewards[rows], kl.view(shape), batch.is_end[rows], alg.initial_policy_kl_penalty
-            )
-            loss_mask = mask * batch.keep[rows].reshape(-1, 1)
-            behaviour = generator_logprobs(groups, like=logprobs)
-            rho = None
-            if alg.max_policy_lag > 0:
-                rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
-                weights.add(rho, loss_mask)
-            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, num_tokens, rho)
-            loss.backward()
-            loss_total += loss.item()
-            # train/inference mismatch: only where the generator had the very weights being trained
-            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
-            mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
-            kl_all.append(adv.kl)
-            rwk_all.append(adv.rewards_with_kl)
-            adv_all.append(adv.advantages)
-        self.ranks.sum_gradients(self.policy.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        keep = batch.keep
-        return {
-            "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
-            "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
-            "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
-            "train_rollouts/logprob_mismatch": mismatch.mean(),
-            "train_rollouts/importance_weight_mean": weights.mean(),
-            "train_rollouts/importance_weight_max": weights.max,
-            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
-            "train_optim/loss": loss_total,
-            "train_optim/grad_norm": grad_norm.item(),
-            "train_optim/lr": lr,
-            "timers/init_logprobs": ref_seconds,
-            "timers/train_time": time.perf_counter() - train_start - ref_seconds,
-        }
 
 
 class Trainer:
@@ -197,32 +73,31 @@ class Trainer:
         materialize_policy(spec.policy, self.paths.initial_policy, spec.seed)
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
-        self.update = PolicyUpdate(spec, self.paths.initial_policy, self.ranks)
-        self.policy = self.update.policy
-        # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
-        self.cursor = PromptCursor(
-            read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts, spec.seed, spec.data.shuffle
-        )
+        self.backend = build_backend(spec.training, self.paths.initial_policy, self.ranks)
+        self.algorithm = build_algorithm(spec, self.ranks)
         self.queue = RolloutQueue(connect(redis_url), spec.name)
         self.queue.ensure_groups()
+        # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
+        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts
+        self.feeder = PromptFeeder(
+            spec, PromptCursor(prompts, spec.seed, spec.data.shuffle), self.tokenizer, self.queue
+        )
+        self.stopping = threading.Event()  # set by SIGTERM: stop after the current step
+        self.collector = GroupCollector(
+            spec, self.queue, self.consumer, self.ranks.world, self.feeder.prompt_of, self.stopping
+        )
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
         self.step = 0
-        self.stopping = False
-        # Steps whose prompts are enqueued but not yet trained: up to max_policy_lag + 1 of them.
-        self.in_flight: dict[int, list[Prompt]] = {}
-        self.cursor_before: dict[int, dict] = {}  # data cursor before each in-flight step drew its prompts
-        self.data_stats: dict[int, dict[str, float]] = {}
-        self.early: dict[str, tuple[str, RolloutGroup]] = {}  # groups of later steps that arrived early
-        self.dropped_groups = 0
         self.weights_base_url: str | None = None  # set by serve_weights (weights.transport http)
 
     # ---- run ---------------------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
         checkpoints = list_checkpoints(self.paths.checkpoints)
         if checkpoints:
-            state = load_checkpoint(checkpoints[-1], self.policy, self.update.optimizer, self.update.scheduler)
-            self.cursor = PromptCursor.from_state(
-                self.cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
+            state = load_checkpoint(checkpoints[-1], self.backend)
+            cursor = self.feeder.cursor
+            self.feeder.cursor = PromptCursor.from_state(
+                cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
             )
             self.step = state.step
             log.info("resumed from %s at step %d", checkpoints[-1], self.step)
@@ -243,7 +118,7 @@ class Trainer:
     def run(self) -> None:
         if self.ranks.is_main:
             self.publish_weights()
-        while self.step < self.spec.training.steps and not self.stopping:
+        while self.step < self.spec.training.steps and not self.stopping.is_set():
             self.train_step()
             last = self.step == self.spec.training.steps
             if self.ranks.is_main and (self.step % self.spec.training.checkpoint_every == 0 or last):
@@ -261,27 +136,24 @@ class Trainer:
     def publish_weights(self) -> float:
         start = time.perf_counter()
         weights = publish(
-            self.policy, self.paths.weights, self.step, self.spec.weights.keep_versions, self.weights_base_url
+            self.backend.publishable_model(),
+            self.paths.weights,
+            self.step,
+            self.spec.weights.keep_versions,
+            self.weights_base_url,
         )
         self.queue.publish_weights(weights)
         return time.perf_counter() - start
 
     def checkpoint(self) -> None:
         # the cursor as it was before the next untrained step drew its prompts: a resume redraws them
-        cursor = self.cursor_before.get(self.step, self.cursor.state())
+        cursor = self.feeder.cursor_state_before(self.step)
         state = TrainerState(step=self.step, cursor=cursor, weight_version=self.step)
-        path = save_checkpoint(
-            self.paths.checkpoints,
-            state,
-            self.policy,
-            self.update.optimizer,
-            self.update.scheduler,
-            self.spec.training.keep_checkpoints,
-        )
+        path = save_checkpoint(self.paths.checkpoints, state, self.backend, self.spec.training.keep_checkpoints)
         log.info("checkpoint %s", path)
 
     def finish(self) -> None:
-        self.policy.save_pretrained(self.paths.final_model)
+        self.backend.publishable_model().save_pretrained(self.paths.final_model)
         self.tokenizer.save_pretrained(self.paths.final_model)
         plot_metrics(self.paths.metrics, self.paths.plot)
         log.info("final model in %s", self.paths.final_model)
@@ -290,11 +162,11 @@ class Trainer:
     def train_step(self) -> None:
         step_start = time.perf_counter()
         if self.ranks.is_main:
-            self.fill_pipeline()
-        entry_ids, groups = self.collect_groups(self.step)
+            self.feeder.fill_pipeline(self.step)
+        entry_ids, groups = self.collector.collect_groups(self.step)
         rollout_time = time.perf_counter() - step_start
         batch = StepBatch.from_groups(groups)
-        values = self.update.apply(batch, version=self.step)
+        values = self.algorithm.update(batch, self.backend, version=self.step)
         trained = self.step
         self.step += 1
         values["timers/weight_publish"] = self.publish_weights() if self.ranks.is_main else 0.0
@@ -303,13 +175,11 @@ class Trainer:
         self.queue.ack_rollouts(entry_ids)
         indices = self.ranks.gather_ints([_prompt_index(g) for g in groups], len(groups))
         values.update(self.rollout_stats(batch, rollout_time, trained))
-        values.update(self.data_stats.pop(trained, dict.fromkeys(DATA_STATS, 0.0)))
+        values.update(self.feeder.trained(trained))
         values["timers/step_time"] = time.perf_counter() - step_start
         values = self.ranks.reduce_metrics(values, SUMMED_METRICS, MAXED_METRICS)
         if not self.ranks.is_main:
             return
-        del self.in_flight[trained]
-        self.cursor_before.pop(trained, None)
         trained_ids = [f"{trained}-{i}" for i in indices]
         _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": trained_ids})
         self.metrics.record(self.step, values)
@@ -320,99 +190,6 @@ class Trainer:
             values["train_rollouts/init_policy_kl"],
             values["train_optim/loss"],
         )
-
-    def fill_pipeline(self) -> None:
-        """Keep the prompts of steps step .. step + max_policy_lag enqueued (just this step when on-policy)."""
-        last = min(self.step + self.spec.algorithm.max_policy_lag, self.spec.training.steps - 1)
-        for step in range(self.step, last + 1):
-            if step not in self.in_flight:
-                self.cursor_before[step] = self.cursor.state()
-                self.in_flight[step] = self.enqueue_prompts(step)
-
-    def prompt_of(self, group: RolloutGroup) -> Prompt:
-        """The prompt a group answered, rebuilt from the group (any rank can re-enqueue it)."""
-        return Prompt(
-            id=group.prompt_id,
-            step=group.step,
-            policy_version=max(0, group.step - self.spec.algorithm.max_policy_lag),
-            text=group.prompt_text,
-            token_ids=group.prompt_token_ids,
-            num_samples=self.spec.algorithm.num_rollouts_per_prompt,
-            seed=prompt_seed(self.spec.seed, group.prompt_id),
-        )
-
-    def enqueue_prompts(self, step: int) -> list[Prompt]:
-        """Enqueue a step's prompts_per_step prompts.
-
-        Each names the oldest weight version allowed to sample it, step - max_policy_lag (the step's own
-        version when on-policy); generators hold it until they have at least that version.
-
-        An over-long prompt is truncated, or with on_long_prompt "skip" replaced by the cursor's next one,
-        so every step still has prompts_per_step prompts. The counts go to `self.data_stats` (step metrics).
-        """
-        k = self.spec.algorithm.num_rollouts_per_prompt
-        batch = self.cursor.take_encoded(
-            self.spec.training.prompts_per_step,
-            lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data),
-        )
-        prompts = []
-        oldest_version = max(0, step - self.spec.algorithm.max_policy_lag)
-        for i, (text, token_ids) in enumerate(batch.prompts):
-            prompt_id = f"{step}-{i}"
-            prompts.append(
-                Prompt(
-                    id=prompt_id,
-                    step=step,
-                    policy_version=oldest_version,
-                    text=text,
-                    num_samples=k,
-                    token_ids=token_ids,
-                    seed=prompt_seed(self.spec.seed, prompt_id),
-                )
-            )
-        self.data_stats[step] = {
-            "data/truncated_prompts": float(batch.truncated),
-            "data/skipped_long_prompts": float(batch.skipped),
-        }
-        self.queue.put_prompts(prompts)
-        return prompts
-
-    def collect_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
-        """Wait for one group per prompt of `step`, in prompt order.
-
-        Groups of later in-flight steps are kept for their turn (asynchronous mode); groups of trained steps
-        or duplicates are stale and acknowledged away; a group sampled by weights more than max_policy_lag
-        versions old is dropped, counted, and its prompt enqueued again.
-        """
-        # Prompt ids are "<step>-<index>"; each rank trains an equal share of the step's groups.
-        order = {f"{step}-{i}": i for i in range(self.spec.training.prompts_per_step)}
-        share = self.spec.training.prompts_per_step // self.ranks.world
-        groups: dict[str, tuple[str, RolloutGroup]] = {pid: self.early.pop(pid) for pid in order if pid in self.early}
-        while len(groups) < share:
-            if self.stopping:
-                raise SystemExit(0)
-            wanted = share - len(groups)
-            for entry_id, group in self.queue.read_rollouts(self.consumer, count=wanted, block_ms=1000):
-                self.sort_group(step, order, groups, entry_id, group)
-        ordered = sorted(groups.values(), key=lambda e: order[e[1].prompt_id])
-        return [entry_id for entry_id, _ in ordered], [group for _, group in ordered]
-
-    def sort_group(self, step: int, order: dict[str, int], groups: dict, entry_id: str, group: RolloutGroup) -> None:
-        lag_limit = self.spec.algorithm.max_policy_lag
-        if group.prompt_id in order and group.prompt_id not in groups:
-            if step - group.policy_version <= lag_limit:
-                groups[group.prompt_id] = (entry_id, group)
-                return
-            log.warning("group %s is %d versions old: dropped, prompt re-enqueued", group.prompt_id,
-                        step - group.policy_version)  # fmt: skip
-            self.dropped_groups += 1
-            self.queue.put_prompts([self.prompt_of(group)])
-        elif step < group.step <= step + lag_limit and group.prompt_id not in self.early:
-            self.early[group.prompt_id] = (entry_id, group)
-            return
-        else:
-            log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
-        self.queue.ack_rollouts([entry_id])
 
     def rollout_stats(self, batch: StepBatch, rollout_time: float, trained_step: int) -> dict[str, float]:
         samples = [s for g in batch.groups for s in g.samples]
@@ -434,7 +211,7 @@ class Trainer:
             "train_rollouts/dropped_nonfinite_rewards": float((~batch.keep).sum()),
             "train_rollouts/policy_lag": _mean(lags),
             "train_rollouts/policy_lag_max": float(max(lags)),
-            "train_rollouts/dropped_stale_groups": float(self.dropped_groups),
+            "train_rollouts/dropped_stale_groups": float(self.collector.dropped_groups),
             "timers/rollout_time": rollout_time,
             "timers/generate": generate,
             "timers/reward": sum(g.reward_seconds for g in batch.groups),
@@ -467,35 +244,6 @@ def _mean(values: list[float] | list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def generator_logprobs(groups: list[RolloutGroup], like: torch.Tensor) -> torch.Tensor:
-    """The generators' recorded log-probs of the groups' samples, padded like the trainer's [B, T]."""
-    out = torch.zeros_like(like, requires_grad=False)
-    for row, sample in enumerate(s for g in groups for s in g.samples):
-        out[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
-    return out
-
-
-class TokenStats:
-    """Mean, max and counts of a per-token quantity over masked tokens, accumulated across micro-batches."""
-
-    def __init__(self) -> None:
-        self.total, self.count, self.max, self._values = 0.0, 0, 0.0, []
-
-    def add(self, values: torch.Tensor, mask: torch.Tensor) -> None:
-        picked = values.detach()[mask.bool()]
-        if picked.numel():
-            self.total += picked.sum().item()
-            self.count += picked.numel()
-            self.max = max(self.max, picked.max().item())
-            self._values.append(picked)
-
-    def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
-
-    def fraction_at_least(self, bound: float) -> float:
-        return (torch.cat(self._values) >= bound).float().mean().item() if self._values else 0.0
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reinforce.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
@@ -525,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping after the current step", signum)
-        trainer.stopping = True
+        trainer.stopping.set()
         terminated.set()
 
     signal.signal(signal.SIGTERM, stop)
@@ -533,6 +281,6 @@ def main(argv: list[str] | None = None) -> None:
     trainer.discard_unfinished_rollouts()
     trainer.run()
     trainer.metrics.close()
-    if args.stay_up and not trainer.stopping:
+    if args.stay_up and not trainer.stopping.is_set():
         log.info("all %d steps trained: serving metrics and weights until SIGTERM", spec.training.steps)
         terminated.wait()

@@ -25,11 +25,16 @@ the ended others by M - 1 although there are M of them, overstating its baseline
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from reinforce.trainer.algorithms.base import Algorithm, TokenStats
+from reinforce.trainer.backends.base import TrainerBackend
+from reinforce.trainer.batch import StepBatch, generator_logprobs, token_lists
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -110,3 +115,61 @@ def policy_gradient_loss(
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach()
     return -torch.where(mask.bool(), per_token, 0.0).sum() / max(num_tokens, 1)
+
+
+class Reinforce(Algorithm):
+    """One pass over the step's groups, micro-batched by whole groups (RLOO needs them): the formulas above."""
+
+    name = "reinforce"
+
+    def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
+        alg, t = self.spec.algorithm, self.spec.training
+        temperature = self.spec.generation.temperature
+        backend.zero_grad()
+        num_tokens = self.ranks.sum(batch.num_tokens)  # N: the token count of every rank's batch
+        kl_all, rwk_all, adv_all = [], [], []
+        loss_total, ref_seconds = 0.0, 0.0
+        mismatch, weights = TokenStats(), TokenStats()
+        train_start = time.perf_counter()
+        for start in range(0, len(batch.groups), t.micro_batch_prompts):
+            rows = slice(start, start + t.micro_batch_prompts)
+            groups = batch.groups[rows]
+            prompt_ids, response_ids = token_lists(groups)
+            ref_start = time.perf_counter()
+            ref_logprobs = backend.reference_logprobs(prompt_ids, response_ids, temperature)
+            ref_seconds += time.perf_counter() - ref_start
+            logprobs, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
+            kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
+            rewards = batch.rewards[rows]
+            adv = rloo_advantages(rewards, kl.view(rewards.shape), batch.is_end[rows], alg.initial_policy_kl_penalty)
+            loss_mask = mask * batch.keep[rows].reshape(-1, 1)
+            behaviour = generator_logprobs(groups, like=logprobs)
+            rho = None
+            if alg.max_policy_lag > 0:
+                rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
+                weights.add(rho, loss_mask)
+            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, num_tokens, rho)
+            loss.backward()
+            loss_total += loss.item()
+            # train/inference mismatch: only where the generator had the very weights being trained
+            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
+            mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
+            kl_all.append(adv.kl)
+            rwk_all.append(adv.rewards_with_kl)
+            adv_all.append(adv.advantages)
+        grad_norm, lr = backend.optimizer_step()
+        keep = batch.keep
+        return {
+            "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
+            "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
+            "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
+            "train_rollouts/logprob_mismatch": mismatch.mean(),
+            "train_rollouts/importance_weight_mean": weights.mean(),
+            "train_rollouts/importance_weight_max": weights.max,
+            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
+            "train_optim/loss": loss_total,
+            "train_optim/grad_norm": grad_norm,
+            "train_optim/lr": lr,
+            "timers/init_logprobs": ref_seconds,
+            "timers/train_time": time.perf_counter() - train_start - ref_seconds,
+        }

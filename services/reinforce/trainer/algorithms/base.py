@@ -1,0 +1,51 @@
+"""The algorithm seam: advantages from a step's groups, the loss of its micro-batches, its metrics.
+
+Implementations, chosen by `algorithm.name`: `reinforce` (reinforce.py: RLOO baseline and a KL penalty). An
+algorithm owns the passes of one optimisation step over its rank's groups, using the backend for log-probs and
+the optimizer step, and returns the step's metrics.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from reinforce.core.spec import RunSpec
+from reinforce.trainer.backends.base import TrainerBackend
+from reinforce.trainer.batch import StepBatch
+from reinforce.trainer.distributed import Ranks
+
+
+class Algorithm(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, spec: RunSpec, ranks: Ranks) -> None:
+        self.spec = spec
+        self.ranks = ranks
+
+    @abstractmethod
+    def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
+        """One optimisation step on this rank's groups of the step (trained weights: `version`): its metrics."""
+
+
+class TokenStats:
+    """Mean, max and counts of a per-token quantity over masked tokens, accumulated across micro-batches."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.max, self._values = 0.0, 0, 0.0, []
+
+    def add(self, values: torch.Tensor, mask: torch.Tensor) -> None:
+        picked = values.detach()[mask.bool()]
+        if picked.numel():
+            self.total += picked.sum().item()
+            self.count += picked.numel()
+            self.max = max(self.max, picked.max().item())
+            self._values.append(picked)
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def fraction_at_least(self, bound: float) -> float:
+        return (torch.cat(self._values) >= bound).float().mean().item() if self._values else 0.0

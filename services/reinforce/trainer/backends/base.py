@@ -1,0 +1,62 @@
+"""The trainer-backend seam: what the algorithm needs from whatever holds the policy and its optimizer.
+
+Implementations, chosen by `training.backend`: `torch` (torch_backend.py: a Hugging Face model, AdamW). A backend
+computes log-probs of given tokens (the policy's, differentiable, and the frozen reference's), takes one
+optimisation step from the gradients the algorithm's loss left, gives the model to publish in Hugging Face form,
+and saves and loads its checkpoint state.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from reinforce.core.spec import TrainingSpec
+
+
+def lr_factor(training: TrainingSpec, step: int) -> float:
+    """Linear warm-up to 1, then constant or cosine down to min_lr_ratio at the last step."""
+    if step < training.warmup_steps:
+        return (step + 1) / training.warmup_steps
+    if training.lr_schedule == "constant":
+        return 1.0
+    progress = (step - training.warmup_steps) / max(1, training.steps - training.warmup_steps)
+    return training.min_lr_ratio + (1 - training.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainerBackend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def policy_logprobs(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi of each response token [B, T], differentiable; mask [B, T]), as models.response_logprobs."""
+
+    @abstractmethod
+    def reference_logprobs(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+    ) -> torch.Tensor:
+        """log pi_ref of each response token [B, T] under the frozen initial policy (no gradient)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(self) -> tuple[float, float]:
+        """Sum gradients over data-parallel ranks, clip, step the optimizer and the schedule: (grad norm, lr)."""
+
+    @abstractmethod
+    def publishable_model(self) -> torch.nn.Module:
+        """The policy as the Hugging Face model whose safetensors the generators load."""
+
+    @abstractmethod
+    def save_state(self, folder: Path) -> None:
+        """Model, optimizer and schedule into `folder` (safetensors; torch files read back with weights_only)."""
+
+    @abstractmethod
+    def load_state(self, folder: Path) -> None: ...

@@ -1,0 +1,43 @@
+"""Building a step's tensors from its rollout groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reinforce.core.records_pb2 import RolloutGroup
+
+
+@dataclass
+class StepBatch:
+    """One step's rollout groups (this rank's share) as tensors, groups in prompt order."""
+
+    groups: list[RolloutGroup]
+    rewards: torch.Tensor  # [G, k]
+    is_end: torch.Tensor  # [G, k] bool; False also for samples dropped for a non-finite reward
+    keep: torch.Tensor  # [G, k] bool; samples that contribute to the loss
+    num_tokens: int  # response tokens of kept samples: the loss normaliser
+
+    @classmethod
+    def from_groups(cls, groups: list[RolloutGroup]) -> StepBatch:
+        rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
+        keep = torch.isfinite(rewards)
+        is_end = torch.tensor([[s.is_end for s in g.samples] for g in groups]) & keep
+        lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups])
+        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()))
+
+
+def token_lists(groups: list[RolloutGroup]) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) of every sample of `groups`, one row per sample."""
+    prompts = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
+    responses = [list(s.token_ids) for g in groups for s in g.samples]
+    return prompts, responses
+
+
+def generator_logprobs(groups: list[RolloutGroup], like: torch.Tensor) -> torch.Tensor:
+    """The generators' recorded log-probs of the groups' samples, padded like the trainer's [B, T]."""
+    out = torch.zeros_like(like, requires_grad=False)
+    for row, sample in enumerate(s for g in groups for s in g.samples):
+        out[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
+    return out

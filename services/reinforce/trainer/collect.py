@@ -1,0 +1,72 @@
+"""Collecting rollout groups: one group per prompt of the step being trained, in prompt order."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from reinforce.core.queue import RolloutQueue
+from reinforce.core.records_pb2 import Prompt, RolloutGroup
+from reinforce.core.spec import RunSpec
+
+log = logging.getLogger("reinforce.trainer")
+
+
+class GroupCollector:
+    """Reads this rank's share of each step's groups; keeps early ones, drops stale ones and too-old ones."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        queue: RolloutQueue,
+        consumer: str,
+        world: int,
+        prompt_of: Callable[[RolloutGroup], Prompt],
+        stopping: threading.Event,
+    ) -> None:
+        self.spec = spec
+        self.queue = queue
+        self.consumer = consumer
+        self.world = world
+        self.prompt_of = prompt_of
+        self.stopping = stopping
+        self.early: dict[str, tuple[str, RolloutGroup]] = {}  # groups of later steps that arrived early
+        self.dropped_groups = 0
+
+    def collect_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
+        """Wait for one group per prompt of `step`, in prompt order.
+
+        Groups of later in-flight steps are kept for their turn (asynchronous mode); groups of trained steps
+        or duplicates are stale and acknowledged away; a group sampled by weights more than max_policy_lag
+        versions old is dropped, counted, and its prompt enqueued again.
+        """
+        # Prompt ids are "<step>-<index>"; each rank trains an equal share of the step's groups.
+        order = {f"{step}-{i}": i for i in range(self.spec.training.prompts_per_step)}
+        share = self.spec.training.prompts_per_step // self.world
+        groups: dict[str, tuple[str, RolloutGroup]] = {pid: self.early.pop(pid) for pid in order if pid in self.early}
+        while len(groups) < share:
+            if self.stopping.is_set():
+                raise SystemExit(0)
+            wanted = share - len(groups)
+            for entry_id, group in self.queue.read_rollouts(self.consumer, count=wanted, block_ms=1000):
+                self.sort_group(step, order, groups, entry_id, group)
+        ordered = sorted(groups.values(), key=lambda e: order[e[1].prompt_id])
+        return [entry_id for entry_id, _ in ordered], [group for _, group in ordered]
+
+    def sort_group(self, step: int, order: dict[str, int], groups: dict, entry_id: str, group: RolloutGroup) -> None:
+        lag_limit = self.spec.algorithm.max_policy_lag
+        if group.prompt_id in order and group.prompt_id not in groups:
+            if step - group.policy_version <= lag_limit:
+                groups[group.prompt_id] = (entry_id, group)
+                return
+            log.warning("group %s is %d versions old: dropped, prompt re-enqueued", group.prompt_id,
+                        step - group.policy_version)  # fmt: skip
+            self.dropped_groups += 1
+            self.queue.put_prompts([self.prompt_of(group)])
+        elif step < group.step <= step + lag_limit and group.prompt_id not in self.early:
+            self.early[group.prompt_id] = (entry_id, group)
+            return
+        else:
+            log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
+        self.queue.ack_rollouts([entry_id])

@@ -1,0 +1,99 @@
+"""Feeding prompts: the trainer's main rank keeps the prompts of the next steps enqueued for the generators."""
+
+from __future__ import annotations
+
+import hashlib
+
+from transformers import PreTrainedTokenizerBase
+
+from reinforce.core.data import PromptCursor
+from reinforce.core.models import encode_prompt_checked
+from reinforce.core.queue import RolloutQueue
+from reinforce.core.records_pb2 import Prompt, RolloutGroup
+from reinforce.core.spec import RunSpec
+
+DATA_STATS = ("data/truncated_prompts", "data/skipped_long_prompts")
+
+
+def prompt_seed(run_seed: int, prompt_id: str) -> int:
+    """A sampling seed that depends only on the run and the prompt, so a re-sampled prompt repeats itself."""
+    return int.from_bytes(hashlib.sha256(f"{run_seed}:{prompt_id}".encode()).digest()[:7], "big")
+
+
+class PromptFeeder:
+    """The data cursor and the steps whose prompts are enqueued but not yet trained (up to max_policy_lag + 1)."""
+
+    def __init__(self, spec: RunSpec, cursor: PromptCursor, tokenizer: PreTrainedTokenizerBase, queue: RolloutQueue):
+        self.spec = spec
+        self.cursor = cursor
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.in_flight: dict[int, list[Prompt]] = {}
+        self.cursor_before: dict[int, dict] = {}  # data cursor before each in-flight step drew its prompts
+        self.data_stats: dict[int, dict[str, float]] = {}
+
+    def cursor_state_before(self, step: int) -> dict:
+        """The cursor as it was before `step` drew its prompts (a resume at `step` redraws them)."""
+        return self.cursor_before.get(step, self.cursor.state())
+
+    def trained(self, step: int) -> dict[str, float]:
+        """Forget a trained step; its data metrics."""
+        self.in_flight.pop(step, None)
+        self.cursor_before.pop(step, None)
+        return self.data_stats.pop(step, dict.fromkeys(DATA_STATS, 0.0))
+
+    def fill_pipeline(self, current: int) -> None:
+        """Keep the prompts of steps step .. step + max_policy_lag enqueued (just this step when on-policy)."""
+        last = min(current + self.spec.algorithm.max_policy_lag, self.spec.training.steps - 1)
+        for step in range(current, last + 1):
+            if step not in self.in_flight:
+                self.cursor_before[step] = self.cursor.state()
+                self.in_flight[step] = self.enqueue_prompts(step)
+
+    def prompt_of(self, group: RolloutGroup) -> Prompt:
+        """The prompt a group answered, rebuilt from the group (any rank can re-enqueue it)."""
+        return Prompt(
+            id=group.prompt_id,
+            step=group.step,
+            policy_version=max(0, group.step - self.spec.algorithm.max_policy_lag),
+            text=group.prompt_text,
+            token_ids=group.prompt_token_ids,
+            num_samples=self.spec.algorithm.num_rollouts_per_prompt,
+            seed=prompt_seed(self.spec.seed, group.prompt_id),
+        )
+
+    def enqueue_prompts(self, step: int) -> list[Prompt]:
+        """Enqueue a step's prompts_per_step prompts.
+
+        Each names the oldest weight version allowed to sample it, step - max_policy_lag (the step's own
+        version when on-policy); generators hold it until they have at least that version.
+
+        An over-long prompt is truncated, or with on_long_prompt "skip" replaced by the cursor's next one,
+        so every step still has prompts_per_step prompts. The counts go to `self.data_stats` (step metrics).
+        """
+        k = self.spec.algorithm.num_rollouts_per_prompt
+        batch = self.cursor.take_encoded(
+            self.spec.training.prompts_per_step,
+            lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data),
+        )
+        prompts = []
+        oldest_version = max(0, step - self.spec.algorithm.max_policy_lag)
+        for i, (text, token_ids) in enumerate(batch.prompts):
+            prompt_id = f"{step}-{i}"
+            prompts.append(
+                Prompt(
+                    id=prompt_id,
+                    step=step,
+                    policy_version=oldest_version,
+                    text=text,
+                    num_samples=k,
+                    token_ids=token_ids,
+                    seed=prompt_seed(self.spec.seed, prompt_id),
+                )
+            )
+        self.data_stats[step] = {
+            "data/truncated_prompts": float(batch.truncated),
+            "data/skipped_long_prompts": float(batch.skipped),
+        }
+        self.queue.put_prompts(prompts)
+        return prompts
