@@ -28,7 +28,7 @@ class _Values(BaseModel):
 
 
 class Image(_Values):
-    repository: str = Field("reinforce", description="Operator image repository.")
+    repository: str = Field("reinforce-operator", description="Operator image repository.")
     tag: str = Field("", description="Image tag (empty: the chart's appVersion).")
     pullPolicy: str = Field("IfNotPresent", description="Image pull policy.")
 

@@ -24,12 +24,14 @@ import pytest
 import yaml
 from conftest import free_port
 
+from reinforce.core import launch
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 EXAMPLES = ROOT / "examples"
+SPEC_IN_CONTAINER = "/etc/reinforce/spec.yaml"
 IMAGE_EXAMPLES = "/opt/reinforce/examples"  # where services/reinforce/core/Dockerfile puts examples/
 DOCKER_COMPOSE = shutil.which("docker-compose")
 needs_compose = pytest.mark.skipif(
@@ -63,9 +65,21 @@ def test_compose_spec_is_the_tiny_example():
 
 
 def dockerfile_cmd(service: str) -> list[str]:
-    text = (ROOT / "services" / service / "Dockerfile").read_text().replace("\\\n", "")
+    text = (ROOT / "services" / "reinforce" / service / "Dockerfile").read_text().replace("\\\n", "")
     [cmd] = re.findall(r"^CMD (\[.*\])$", text, flags=re.MULTILINE)
     return json.loads(cmd)
+
+
+def test_compose_commands_and_probes_are_the_services_launch():
+    """Each service's command in docker-compose.yml is the one core/launch.py builds from its flags, and its
+    health check probes the launch's readiness path."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, component in [("reward", "reward"), ("generator-0", "generator"), ("trainer", "trainer")]:
+        command, service = services[name]["command"], launch.SERVICES[component]
+        flags = {f.removeprefix("--").replace("-", "_"): v for f, v in zip(command[5::2], command[6::2], strict=True)}
+        assert command == service.command("python", SPEC_IN_CONTAINER, **flags), name
+        if service.ready_path:
+            assert service.ready_path in " ".join(services[name]["healthcheck"]["test"]), name
 
 
 @needs_compose

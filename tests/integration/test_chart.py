@@ -47,6 +47,9 @@ def render(*args: str) -> list[dict[str, Any]]:
 def test_values_file_is_the_model() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert ChartValues.model_validate(values).operatorConfig.images.redis == "redis:7.0"
+    assert ChartValues.model_validate(values).image == ChartValues().image, (
+        "values.yaml and the schema's defaults differ"
+    )
 
 
 def test_lint_passes() -> None:

@@ -43,6 +43,8 @@ def test_defaults_follow_nemo_aligner():
         ({"reward": {"type": "python", "function": "no colon"}}, "reward.function: String should match pattern"),
         ({"name": "Has Spaces"}, "name: String should match pattern"),
         ({"training": {"prompts_per_step": 6, "num_ranks": 4}}, "training.prompts_per_step (6) must be a multiple"),
+        # with one sample RLOO has no baseline: every advantage would be 0 and the run would learn nothing
+        ({"algorithm": {"num_rollouts_per_prompt": 1}}, "algorithm.num_rollouts_per_prompt: Input should be greater"),
     ],
 )
 def test_bad_fields_are_named(patch, expected):

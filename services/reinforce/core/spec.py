@@ -120,7 +120,9 @@ class AlgorithmSpec(_Section):
     """REINFORCE with the RLOO baseline and a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
 
     name: Literal["reinforce"] = Field("reinforce", description="Algorithm: reinforce (RLOO baseline, KL penalty).")
-    num_rollouts_per_prompt: int = Field(4, ge=1, description="k: samples per prompt.")
+    num_rollouts_per_prompt: int = Field(
+        4, ge=2, description="k: samples per prompt (at least 2: the leave-one-out baseline needs another sample)."
+    )
     initial_policy_kl_penalty: float = Field(0.01, ge=0, description="beta of rewards_with_kl = r - beta*KL.")
     use_absolute_kl: bool = Field(True, description="With kl_estimator k1, average |d_t| instead of d_t.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
