@@ -1,6 +1,6 @@
 """Grafana dashboards and Prometheus alert rules, written as data from the metric names of `metrics.py`.
 
-    python -m generate.dashboards   # rewrites charts/reinforce/dashboards/*.json and alerts/reinforce-rules.yaml
+    make generate   # rewrites charts/reinforce/dashboards/*.json and alerts/reinforce-rules.yaml (among others)
 
 Every PromQL expression here is built from the names `metrics.py` defines (step metrics by their jsonl name,
 generator metrics from a `GeneratorMetrics`), so renaming a metric renames it in every panel and alert at the
