@@ -68,7 +68,7 @@ class Server:
 
     def start(self) -> None:
         http, grpc, metrics = (str(p) for p in self.ports)
-        cmd = [sys.executable, "-m", "reinforce.reward", "--spec", str(self.spec), "--address", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "reinforce.reward", "--spec", str(self.spec), "--host", "127.0.0.1"]
         cmd += ["--http-port", http, "--grpc-port", grpc, "--metrics-port", metrics]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
 from reinforce.core.spec import TrainingSpec
-from reinforce.core.weights import WeightError, load_verified, module_loader, publish
+from reinforce.core.weights import WeightError, WeightSources, load_verified, module_loader, publish
 from reinforce.trainer.backends.base import lr_factor
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
@@ -71,7 +71,7 @@ def test_weights_round_trip_and_corruption_is_refused(tmp_path):
     source, target = tiny_model(0), tiny_model(1)
     published = publish(source, tmp_path, version=5)
     assert published.version == 5 and len(published.sha256) == 64
-    load_verified(module_loader(target), published)
+    load_verified(module_loader(target), published, WeightSources(tmp_path))
     assert same_weights(source, target)
 
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -79,7 +79,7 @@ def test_weights_round_trip_and_corruption_is_refused(tmp_path):
     tampered.CopyFrom(published)
     tampered.sha256 = "0" * 64
     with pytest.raises(WeightError, match="sha256"):
-        load_verified(module_loader(target), tampered)
+        load_verified(module_loader(target), tampered, WeightSources(tmp_path))
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
@@ -111,3 +111,40 @@ def test_checkpoint_round_trip_keeps_last_k(tmp_path):
     assert restored.scheduler.last_epoch == backend.scheduler.last_epoch
     exp_avg = [b.optimizer.state_dict()["state"][0]["exp_avg"] for b in (backend, restored)]
     assert torch.equal(*exp_avg)
+
+
+def test_groups_whose_logprobs_are_not_the_trainers_are_refused_and_counted(tmp_path):
+    """Issue #13, finding 1: a group 'sampled by version v' whose log-probs are far from what v gives (forged or
+    corrupted weights behind it) is left out of the update and counted; a genuine group is trained on."""
+    from reinforce.core.models import materialize_policy
+    from reinforce.core.spec import RunSpec
+    from reinforce.trainer.algorithms import build_algorithm
+    from reinforce.trainer.backends import build_backend
+
+    spec = RunSpec.model_validate(
+        {
+            "name": "mismatch",
+            "policy": {"random_init": {"hidden_size": 16, "intermediate_size": 16, "num_layers": 1}},
+            "data": {"prompts": "unused.txt"},
+            "algorithm": {"num_rollouts_per_prompt": 2},
+            "training": {"prompts_per_step": 2, "micro_batch_prompts": 2, "lr": 1e-3},
+        }
+    )
+    materialize_policy(spec.policy, tmp_path / "policy", seed=0)
+    backend = build_backend(spec.training, tmp_path / "policy", Ranks())
+    responses = [[3, 4, 5], [6, 7]]
+    with torch.no_grad():
+        genuine, _ = backend.policy_logprobs([[1, 2]] * 2, responses, 1.0)
+
+    def group(pid: str, logprobs: list[list[float]]) -> RolloutGroup:
+        samples = [
+            Sample(token_ids=r, logprobs=lp, reward=float(i), is_end=True)
+            for i, (r, lp) in enumerate(zip(responses, logprobs, strict=True))
+        ]
+        return RolloutGroup(prompt_id=pid, step=0, policy_version=0, prompt_token_ids=[1, 2], samples=samples)
+
+    honest = group("0-0", [genuine[0, :3].tolist(), genuine[1, :2].tolist()])
+    forged = group("0-1", [[-0.01] * 3, [-0.01] * 2])  # what other weights (near-certain tokens) would report
+    values = build_algorithm(spec, Ranks()).update(StepBatch.from_groups([honest, forged]), backend, version=0)
+    assert values["train_rollouts/refused_mismatched_groups"] == 1.0
+    assert math.isfinite(values["train_optim/loss"]) and values["train_optim/loss"] != 0.0  # the honest one trained

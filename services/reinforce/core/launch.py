@@ -1,7 +1,10 @@
 """How each service is launched: its module, its flags and its readiness probe, defined once.
 
 The local supervisor, the operator's pods, the container images' CMD and docker-compose.yml all start the
-services this way (tests/integration/test_compose.py checks the compose file against it).
+services this way (tests/e2e/test_compose.py checks the compose file against it).
+
+Every service listens on 127.0.0.1 unless given `--host` (names.LOCAL_HOST): a local run is reachable from this
+machine only. Pods and containers pass `--host 0.0.0.0` (names.ANY_HOST), as their Services need.
 """
 
 from __future__ import annotations
@@ -29,4 +32,11 @@ class Service:
 REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
 GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="port")
 TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
+
+
+def weights_url(host: str, port: int) -> str:
+    """The trainer's weight endpoint as generators reach it (their --weights-url; the trainer's --advertise-host)."""
+    return f"http://{host}:{port}"
+
+
 SERVICES = {names.COMPONENT_REWARD: REWARD, names.COMPONENT_GENERATOR: GENERATOR, names.COMPONENT_TRAINER: TRAINER}

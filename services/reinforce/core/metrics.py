@@ -30,6 +30,8 @@ STEP_METRICS: dict[str, str] = {
     "train_rollouts/advantages_abs": "Mean absolute RLOO advantage.",
     "train_rollouts/dropped_nonfinite_rewards": "Samples left out of the step because their reward was NaN or inf.",
     "train_rollouts/logprob_mismatch": "Mean |generator log-prob - trainer log-prob| of the same tokens and weights.",
+    "train_rollouts/refused_mismatched_groups": "Groups refused because their log-probs were far from the trainer's "
+    "for the same weights (training.max_logprob_mismatch): not sampled by the published weights.",
     "train_rollouts/policy_lag": "Mean of (trained weight version - version that sampled the group).",
     "train_rollouts/policy_lag_max": "Largest policy lag of the step's groups (never above max_policy_lag).",
     "train_rollouts/dropped_stale_groups": "Groups dropped so far for being more than max_policy_lag versions old.",

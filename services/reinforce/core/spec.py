@@ -178,6 +178,13 @@ class TrainingSpec(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    max_logprob_mismatch: float = Field(
+        0.5,
+        gt=0,
+        description="A group sampled by the very version being trained whose mean |generator log-prob - trainer "
+        "log-prob| exceeds this is refused and counted (`train_rollouts/refused_mismatched_groups`): other weights "
+        "sampled it. Float32 noise is ~1e-6, other engines' ~1e-2.",
+    )
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
 

@@ -25,6 +25,7 @@ from pydantic import Field, field_validator
 
 from reinforce.core import launch
 from reinforce.core.names import (
+    ANY_HOST,
     COMPONENTS,
     CONTROL_TOKEN_ENV,
     HEALTH_PATH,
@@ -291,7 +292,8 @@ def _http_probe(path: str, port: int, period_s: int = 5) -> dict[str, Any]:
 
 
 def _python_service(service: launch.Service, **flags: object) -> list[str]:
-    return service.command("python", SPEC_FILE, **flags)
+    # Services bind loopback unless told otherwise; a pod's must answer its Service (and, host-network, the node).
+    return service.command("python", SPEC_FILE, **flags, host=ANY_HOST)
 
 
 def redis_service(run: Run) -> dict[str, Any]:
@@ -338,12 +340,15 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     """A Deployment; in the host-network profile a StatefulSet, whose pod ordinal i gives the port base + i."""
     p = run.config.ports
     reward_url = f"http://{run.host('reward')}:{p.reward_http}"
+    weights_url = launch.weights_url(trainer_pod_address(run, 0), p.trainer_weights)
     volume, mount = _spec_volume(run)
     volumes = [volume, {"name": "cache", "emptyDir": {}}]
     mounts = [mount, {"name": "cache", "mountPath": DATA_DIR}]
     replicas = run.spec.generation.num_generators
     if not run.host_network:
-        command = _python_service(launch.GENERATOR, reward_url=reward_url, port=p.generator, id=f"$({POD_NAME_ENV})")
+        command = _python_service(
+            launch.GENERATOR, reward_url=reward_url, port=p.generator, id=f"$({POD_NAME_ENV})", weights_url=weights_url
+        )
         container = _container(
             run, "generator", command, {"control": p.generator},
             env=_service_env(run),
@@ -353,7 +358,9 @@ def generator_deployment(run: Run) -> dict[str, Any]:
         )  # fmt: skip
         return _deployment(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
     port = f"$(({p.generator} + ${{POD_NAME##*-}}))"
-    generator = _python_service(launch.GENERATOR, reward_url=reward_url, port=port, id=f"${POD_NAME_ENV}")
+    generator = _python_service(
+        launch.GENERATOR, reward_url=reward_url, port=port, id=f"${POD_NAME_ENV}", weights_url=weights_url
+    )
     probe = {
         "exec": {
             "command": ["python", "-c", _READY_BY_ORDINAL.format(base=p.generator, path=launch.GENERATOR.ready_path)]

@@ -36,6 +36,7 @@ from reinforce.core.names import (
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
     CONTROL_TOKEN_ENV,
+    LOCAL_HOST,
     REDIS_URL_ENV,
 )
 from reinforce.core.queue import RolloutQueue, connect
@@ -135,6 +136,8 @@ class Supervisor:
         self.components: list[Component] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.scrape_targets: list[dict] = []
+        # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
+        self.weights_port = free_port() if spec.weights.transport == "http" else None
 
     def component(self, name: str, argv: list[str]) -> Component:
         c = Component(name, argv, self.paths.logs / f"{name}.log")
@@ -158,7 +161,8 @@ class Supervisor:
     def trainer_argv(self) -> list[str]:
         metrics_port = free_port()
         self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
-        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port)
+        weights = {"weights_port": self.weights_port} if self.weights_port else {}
+        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port, **weights)
         ranks = self.spec.training.num_ranks
         if ranks == 1:
             return argv
@@ -199,7 +203,9 @@ class Supervisor:
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
             self.add_scrape_target(COMPONENT_GENERATOR, name, port)
-            self.component(name, self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name))
+            weights = {"weights_url": launch.weights_url(LOCAL_HOST, self.weights_port)} if self.weights_port else {}
+            argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
+            self.component(name, argv)
             urls[name] = f"http://127.0.0.1:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(url + launch.GENERATOR.ready_path))
