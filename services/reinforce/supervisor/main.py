@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import redis
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from reinforce.core import launch
 from reinforce.core.data import DataError, read_prompt_file
@@ -42,7 +43,7 @@ from reinforce.core.names import (
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
-from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec
+from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
@@ -365,6 +366,7 @@ def _run(args: argparse.Namespace) -> int:
     paths.spec.write_text(dump_spec(spec))
     print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
+    _check_fits_policy(spec, spec_file, paths.initial_policy)
     supervisor = Supervisor(spec)
     # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -378,6 +380,17 @@ def _run(args: argparse.Namespace) -> int:
         supervisor.stop()
     _print_summary(paths)
     return 0
+
+
+def _check_fits_policy(spec: RunSpec, spec_file: Path, policy_dir: Path) -> None:
+    """Prompt + response must fit the policy's positions: said now, naming the fields, not by a generator later."""
+    limit = getattr(AutoConfig.from_pretrained(policy_dir), "max_position_embeddings", None)
+    if limit is None:  # a model family without absolute positions has no such limit
+        return
+    try:
+        check_fits_policy(spec, limit)
+    except ValueError as err:
+        raise SpecError(f"{spec_file}: {err}") from None
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
