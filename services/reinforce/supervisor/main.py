@@ -44,6 +44,7 @@ from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
+from reinforce.supervisor.lock import RunFolderBusy, RunLock
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
@@ -82,7 +83,10 @@ class Component:
         return self.process.poll() if self.process else None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, then after `grace_s` SIGKILL to the whole process group (Triton runs as a grandchild)."""
+        """SIGTERM, then after `grace_s` SIGKILL to the whole process group (Triton runs as a grandchild).
+
+        Idempotent: a stopped component has no process (and no process group) left to signal.
+        """
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -92,6 +96,7 @@ class Component:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        self.process = None
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -275,9 +280,13 @@ class Supervisor:
         )
 
     def stop(self) -> None:
-        # trainer first (it checkpoints), then generators, reward server, Redis last
+        # trainer first (it checkpoints), then generators, reward server, Redis last; one that cannot be stopped
+        # cleanly must not keep the others running
         for c in reversed(self.components):
-            c.stop()
+            try:
+                c.stop()
+            except Exception:
+                log.exception("stopping component %s failed; stopping the others", c.name)
         # A stopped run has nothing to scrape (and no alert should report its processes as down).
         self.scrape_targets.clear()
         self.write_scrape_targets()
@@ -326,19 +335,36 @@ class Progress:
         self.bar.close()
 
 
-def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> RunPaths:
+def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> tuple[RunPaths, RunLock]:
+    """The run folder, locked for this supervisor before anything in it is read, deleted or written."""
     paths = RunPaths(spec.resolved_run_dir())
+    try:
+        lock = RunLock(paths.lock)
+    except RunFolderBusy as err:
+        raise RunFailed(str(err)) from None
     started = paths.metrics.exists() or paths.checkpoints.exists()
     if started and overwrite:
-        shutil.rmtree(paths.root)
+        _empty_folder(paths.root, keep=paths.lock)
     elif started and not resume:
+        lock.release()
         raise RunFailed(
             f"run folder {paths.root} already holds a run: pass --resume to continue it or --overwrite to start over"
         )
     if not resume:
         shutil.rmtree(paths.redis, ignore_errors=True)  # a fresh run starts from an empty queue
     paths.root.mkdir(parents=True, exist_ok=True)
-    return paths
+    return paths, lock
+
+
+def _empty_folder(folder: Path, keep: Path) -> None:
+    """Delete what `folder` holds except `keep` (the held lock: deleting it would let another supervisor in)."""
+    for entry in folder.iterdir():
+        if entry == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -362,21 +388,20 @@ def _run(args: argparse.Namespace) -> int:
         read_prompt_file(spec.data.prompts, spec.data.on_bad_line)  # a bad prompt file fails now, naming file:line
     except DataError as err:
         raise SpecError(f"{spec_file}: data.prompts: {err}") from None
-    paths = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)
+    paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
     paths.spec.write_text(dump_spec(spec))
     print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
     _check_fits_policy(spec, spec_file, paths.initial_policy)
     supervisor = Supervisor(spec)
-    # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    signals = _Signals()
     try:
         supervisor.run()
     except KeyboardInterrupt:
         print("interrupted: stopping every component", file=sys.stderr)
         return 130
     finally:
+        signals.stopping = True  # from here on a signal cannot interrupt the shutdown, however many come
         supervisor.stop()
     _print_summary(paths)
     return 0
@@ -393,8 +418,25 @@ def _check_fits_policy(spec: RunSpec, spec_file: Path, policy_dir: Path) -> None
         raise SpecError(f"{spec_file}: {err}") from None
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
+class _Signals:
+    """SIGINT and SIGTERM: the first interrupts the run; once the shutdown has begun, they only say so.
+
+    A KeyboardInterrupt raised inside supervisor.stop() would leave every component not yet stopped running,
+    in its own session, forever.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
+        signal.signal(signal.SIGTERM, self.handle)
+        signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, _signum: int, _frame: object) -> None:
+        if self.stopping:
+            print("already stopping every component; please wait", file=sys.stderr)
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
 
 
 def _print_summary(paths: RunPaths) -> None:
