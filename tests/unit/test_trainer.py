@@ -148,3 +148,65 @@ def test_groups_whose_logprobs_are_not_the_trainers_are_refused_and_counted(tmp_
     values = build_algorithm(spec, Ranks()).update(StepBatch.from_groups([honest, forged]), backend, version=0)
     assert values["train_rollouts/refused_mismatched_groups"] == 1.0
     assert math.isfinite(values["train_optim/loss"]) and values["train_optim/loss"] != 0.0  # the honest one trained
+
+
+def test_checkpoint_files_and_folders_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    """Issue #13, finding 10: a crash right after a checkpoint is named cannot leave it empty or partial."""
+    import os
+
+    from reinforce.core import durable
+
+    policy_dir = tmp_path / "policy"
+    tiny_model(0).save_pretrained(policy_dir)
+    backend = TorchBackend(TrainingSpec(lr=1e-3), policy_dir, Ranks())
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("rename", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    monkeypatch.setattr(durable.os, "replace", replace)
+    final = save_checkpoint(tmp_path / "ckpt", TrainerState(1, {"epoch": 0, "index": 1}, 1), backend, keep=2)
+    renamed = events.index(("rename", str(final)))
+    synced_before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    tmp = str(tmp_path / "ckpt" / ".tmp-step-000001")
+    files = {f"{tmp}/{p.relative_to(final)}" for p in final.rglob("*")}
+    assert files and files | {tmp} <= synced_before
+    assert ("fsync", str(tmp_path / "ckpt")) in events[renamed:]  # the new name itself is durable
+
+
+def test_metrics_rewrite_on_resume_is_atomic_and_appending_continues(tmp_path, monkeypatch):
+    """Issue #13, finding 10: a resume drops the rows of redone steps by writing a new file and renaming it; a
+    crash mid-rewrite keeps the old file whole, and the writer appends to the new file afterwards."""
+    from reinforce.core import durable
+    from reinforce.core.metrics import STEP_METRICS, TrainerMetrics, read_metrics
+    from reinforce.trainer.main import _truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    metrics = TrainerMetrics(path)
+    values = dict.fromkeys(STEP_METRICS, 0.0)
+    for step in (1, 2, 3):
+        metrics.record(step, values)
+    before = path.read_text()
+
+    def crash(*_args: object) -> None:
+        raise OSError("power lost")
+
+    monkeypatch.setattr(durable.os, "replace", crash)
+    with pytest.raises(OSError):
+        _truncate_jsonl(path, keep_through_step=1)
+    assert path.read_text() == before  # nothing lost
+    monkeypatch.undo()
+    inode = path.stat().st_ino
+    _truncate_jsonl(path, keep_through_step=1)
+    assert path.stat().st_ino != inode  # a new file, renamed into place
+    metrics.reopen()
+    metrics.record(2, values)
+    metrics.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]

@@ -82,10 +82,16 @@ class TrainerMetrics:
             buckets=(0, 1, 2, 3, 4, 8),
             registry=self.registry,
         )
+        self._jsonl_path = jsonl_path
         self._jsonl: IO[str] | None = None
-        if jsonl_path is not None:
-            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            self._jsonl = jsonl_path.open("a", buffering=1)
+        self.reopen()
+
+    def reopen(self) -> None:
+        """(Re)open metrics.jsonl for appending: after it was replaced by a rewrite (a resume drops rows)."""
+        self.close()
+        if self._jsonl_path is not None:
+            self._jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = self._jsonl_path.open("a", buffering=1)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         unknown = set(values) - set(STEP_METRICS)
@@ -101,6 +107,7 @@ class TrainerMetrics:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+            self._jsonl = None
 
 
 class GeneratorMetrics:

@@ -21,6 +21,7 @@ import torch
 from prometheus_client import start_http_server
 
 from reinforce.core.data import PromptCursor, read_prompt_file
+from reinforce.core.durable import write_text_atomically
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
@@ -107,6 +108,7 @@ class Trainer:
         if self.ranks.is_main:
             _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
             _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
+            self.metrics.reopen()  # it appended to the file that the rewrite replaced
 
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
@@ -237,8 +239,8 @@ def _truncate_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop the rows of steps after the checkpoint: those steps are redone after a resume."""
     if path.exists():
         rows = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
-        # In place, not by rename: the metrics writer already holds the file open for appending.
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # By rename, so that a crash mid-rewrite cannot lose the rows kept (the metrics writer then reopens it).
+        write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _mean(values: list[float] | list[int]) -> float:
