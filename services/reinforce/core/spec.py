@@ -221,6 +221,17 @@ class WeightsSpec(_Section):
     keep_versions: int = Field(3, ge=1, description="Published versions kept on the trainer's disk.")
 
 
+class QueueSpec(_Section):
+    """The Redis rollout queue, as its clients (trainer, generators) use it."""
+
+    max_outage_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long trainer and generators ride out Redis being unreachable (a restart, a rescheduled "
+        "pod), retrying with back-off, before they give up and exit.",
+    )
+
+
 class RestartSpec(_Section):
     """How the local supervisor restarts a crashed component (Kubernetes' restart policy does it on a cluster)."""
 
@@ -247,6 +258,7 @@ class RunSpec(_Section):
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    queue: QueueSpec = Field(default_factory=QueueSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
 
     @model_validator(mode="after")

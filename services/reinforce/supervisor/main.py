@@ -235,9 +235,10 @@ class Supervisor:
         reward_url = self.start_reward()
         generator_urls = self.start_generators(reward_url)
         trainer = self.component("trainer", self.trainer_argv())
-        reconciler = WeightReconciler(
-            RolloutQueue(connect(self.env[REDIS_URL_ENV]), self.spec.name), generator_urls, self.env[CONTROL_TOKEN_ENV]
-        )
+        # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
+        # the supervisor's loop must not stall while it restarts Redis itself.
+        queue = RolloutQueue(connect(self.env[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
+        reconciler = WeightReconciler(queue, generator_urls, self.env[CONTROL_TOKEN_ENV])
         try:
             self.watch(trainer, reconciler)
         finally:

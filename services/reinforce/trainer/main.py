@@ -77,7 +77,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
         self.backend = build_backend(spec.training, self.paths.initial_policy, self.ranks)
         self.algorithm = build_algorithm(spec, self.ranks)
-        self.queue = RolloutQueue(connect(redis_url), spec.name)
+        self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
         self.queue.ensure_groups()
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
         prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts
