@@ -34,6 +34,19 @@ GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="po
 TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
 
 
+def redis_shell_command(port: int, data_dir: str, config_dir: str, password_env: str) -> str:
+    """`sh -c` text that starts redis-server with its password from a config file, never on its command line.
+
+    printf is a shell builtin (no process whose argv `ps` could show); the file is private to the user. Append-only
+    file fsynced on every write: a Redis restart loses nothing acknowledged.
+    """
+    config = f"{config_dir}/redis.conf"
+    return (
+        f'umask 077 && printf \'requirepass "%s"\\n\' "${password_env}" > {config} && '
+        f"exec redis-server {config} --port {port} --dir {data_dir} --appendonly yes --appendfsync always --save ''"
+    )
+
+
 def weights_url(host: str, port: int) -> str:
     """The trainer's weight endpoint as generators reach it (their --weights-url; the trainer's --advertise-host)."""
     return f"http://{host}:{port}"

@@ -43,5 +43,7 @@ REWARD_LIVE_PATH = "/v2/health/live"
 PROMETHEUS_RUN_LABEL = "run"
 PROMETHEUS_COMPONENT_LABEL = "component"
 PROMETHEUS_INSTANCE_LABEL = "instance"
+K8S_NAME_LABEL = "app.kubernetes.io/name"  # "reinforce" on a run's objects, OPERATOR_APP_NAME on the operator's
 K8S_INSTANCE_LABEL = "app.kubernetes.io/instance"  # the run's name
 K8S_COMPONENT_LABEL = "app.kubernetes.io/component"
+OPERATOR_APP_NAME = "reinforce-operator"  # the operator's K8S_NAME_LABEL (chart and operator/operator.yaml)
