@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,10 +11,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from google.protobuf.json_format import MessageToDict
+from prometheus_client import generate_latest
 from transformers import PreTrainedModel
 
 from reinforce.core.models import load_policy, materialize_policy
-from reinforce.core.records_pb2 import WeightVersion
+from reinforce.core.records_pb2 import Prompt, WeightVersion
+from reinforce.core.reward_client import RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.core.weights import publish
@@ -277,3 +280,30 @@ def test_an_unauthenticated_body_is_never_read_and_a_large_one_is_413(gen: Gener
     declared = [(b"authorization", f"Bearer {TOKEN}".encode()), (b"content-length", b"300000000")]
     assert asyncio.run(_asgi_post(app, declared, chunks)) == (413, 0)
     assert gen.weights.desired is None
+
+
+class _FailingReward:
+    """A reward client whose reward function raised on the server (what RewardClient.score then raises)."""
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        raise RewardFunctionError("reward server at http://x: request failed: reward function failed: boom")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_reward_function_costs_the_batch_its_rewards_not_the_generator(gen: Generator) -> None:
+    """A reward function that raises (or returns the wrong count or strings) is a user bug no retry fixes: the
+    group goes out with NaN rewards (the trainer drops and counts them), the prompt is acknowledged, the error
+    is logged and counted, and the generator keeps working."""
+    gen.reward.close()
+    gen.reward = _FailingReward()  # type: ignore[assignment]
+    gen.queue.ensure_groups()
+    prompt = Prompt(id="0-0", step=0, policy_version=0, text="ab", token_ids=[1, 2], num_samples=2, seed=1)
+    gen.queue.put_prompts([prompt])
+    entries = gen.queue.read_prompts(gen.name, count=1, block_ms=0)
+    gen.process(entries)
+    [(_, group)] = gen.queue.read_rollouts("trainer-0", count=10, block_ms=0)
+    assert group.prompt_id == "0-0" and all(math.isnan(s.reward) for s in group.samples)
+    assert gen.queue.read_prompts(gen.name, count=10, block_ms=0, pending=True) == []  # acknowledged
+    assert "reinforce_generator_reward_failures_total 4.0" in generate_latest(gen.metrics.registry).decode()

@@ -139,6 +139,11 @@ class GeneratorMetrics:
             registry=r,
         )
         self.weight_bytes = Counter(PREFIX + "generator_weight_bytes", "Weight bytes fetched.", registry=r)
+        self.reward_failures = Counter(
+            PREFIX + "generator_reward_failures",
+            "Responses left without a reward (NaN) because the reward function failed on their batch.",
+            registry=r,
+        )
         self.nonfinite_rewards = Counter(
             PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
         )

@@ -42,7 +42,7 @@ from reinforce.core.models import materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
-from reinforce.core.reward_client import RewardClient
+from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.weights import WeightError, WeightSources, load_verified
@@ -202,7 +202,7 @@ class Generator:
         generate_seconds = time.perf_counter() - start
         start = time.perf_counter()
         texts = [s.text for seqs in sampled for s in seqs]
-        rewards = self.reward.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
+        rewards = self.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
         reward_seconds = time.perf_counter() - start
         rewards_iter = iter(rewards)
         for (entry_id, prompt), seqs in zip(entries, sampled, strict=True):
@@ -230,6 +230,20 @@ class Generator:
             self.queue.put_rollout(group)
             self.queue.ack_prompts([entry_id])  # the group is on the stream: the prompt's work is durable
         self.count(sampled, rewards, generate_seconds, reward_seconds)
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """The rewards; NaN for every row of a batch the reward function failed on.
+
+        A failing reward function (it raised, or returned the wrong count or type) is a bug in user code that
+        retrying cannot fix; NaN makes the trainer drop those samples (counted) and the run go on, while the
+        error is logged here and counted. An unreachable server still raises: this generator restarts.
+        """
+        try:
+            return self.reward.score(prompts, responses)
+        except RewardFunctionError as err:
+            log.error("reward function failed on %d responses; they get no reward (NaN): %s", len(responses), err)
+            self.metrics.reward_failures.inc(len(responses))
+            return [math.nan] * len(responses)
 
     def count(self, sampled: list, rewards: list[float], generate_s: float, reward_s: float) -> None:
         sequences = [s for seqs in sampled for s in seqs]
