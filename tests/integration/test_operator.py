@@ -435,7 +435,7 @@ def test_weights_are_rolled_out_to_ready_generators_and_external_redis_keys_go_w
         assert "redis-password" not in secret.data and ("StatefulSet", "tiny-redis") not in cluster.children()
         serve(base64.b64decode(secret.data["control-token"]).decode())
         (pod,) = cluster.make_ready("generator")
-        queue.publish_weights(publish(generator.model, RunPaths(spec.resolved_run_dir()).weights, version=1))
+        queue.publish_weights(publish(generator.engine.model, RunPaths(spec.resolved_run_dir()).weights, version=1))
         wait_for(lambda: cluster.status().get("publishedWeightVersion") == 1, 20)
         wait_for(lambda: generator_versions(cluster) == {pod: 1}, 30)
         assert cluster.condition("WeightsInSync")["status"] == "True"
