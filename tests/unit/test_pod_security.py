@@ -117,3 +117,15 @@ def test_host_network_is_the_only_exemption(component: str) -> None:
     pod = pod_templates(children(run_of("host-network")))[f"tiny-{component}"]["spec"]
     assert pod["hostNetwork"] is True and pod["automountServiceAccountToken"] is False
     assert restricted_violations(pod)[0] == "hostNetwork set"
+
+
+@pytest.mark.parametrize("profile", ["standard", "host-network"])
+def test_pods_bind_every_interface_explicitly(profile: str) -> None:
+    """Services bind 127.0.0.1 unless told otherwise (issue #13, finding 4): a pod's must answer its Service."""
+    templates = pod_templates(children(run_of(profile)))
+    for component in ("reward", "generator", "trainer"):
+        command = " ".join(templates[f"tiny-{component}"]["spec"]["containers"][0]["command"])
+        assert "--host 0.0.0.0" in command, component
+    generator = " ".join(templates["tiny-generator"]["spec"]["containers"][0]["command"])
+    expected = "127.0.0.1:9001" if profile == "host-network" else "tiny-trainer-0.tiny-trainer.ns.svc:9001"
+    assert f"--weights-url http://{expected}" in generator  # where the token may go: the run's trainer only
