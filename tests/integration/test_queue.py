@@ -383,11 +383,12 @@ def test_clients_ride_out_a_redis_restart_within_max_outage(tmp_path: Path) -> N
     """Issue #13, finding 7: Redis down for ~4 s (longer than a restart replaying its AOF) costs a client a wait,
     not its life; past max_outage_s the error comes through."""
     port = free_port()
-    server = _redis_on(port, tmp_path)
+    servers = [_redis_on(port, tmp_path)]
+    restart = threading.Timer(4.0, lambda: servers.append(_redis_on(port, tmp_path)))
     url = f"redis://127.0.0.1:{port}/0"
-    patient = RolloutQueue(connect(url, socket_timeout=5.0, max_outage_s=30.0), "outage")
-    impatient = RolloutQueue(connect(url, socket_timeout=5.0, max_outage_s=1.0), "outage")
     try:
+        patient = RolloutQueue(connect(url, socket_timeout=5.0, max_outage_s=30.0), "outage")
+        impatient = RolloutQueue(connect(url, socket_timeout=5.0, max_outage_s=1.0), "outage")
         deadline = time.monotonic() + 10
         while True:  # wait for the server
             try:
@@ -397,10 +398,8 @@ def test_clients_ride_out_a_redis_restart_within_max_outage(tmp_path: Path) -> N
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         patient.put_prompts([make_prompt(0)])
-        server.kill()
-        server.wait()
-        restart = threading.Timer(4.0, lambda: servers.append(_redis_on(port, tmp_path)))
-        servers: list[subprocess.Popen[bytes]] = []
+        servers[0].kill()
+        servers[0].wait()
         restart.start()
         with pytest.raises(redis.ConnectionError):
             impatient.depths()
@@ -410,7 +409,9 @@ def test_clients_ride_out_a_redis_restart_within_max_outage(tmp_path: Path) -> N
         read = patient.read_prompts("g", count=10, block_ms=0)
         assert [p.id for _, p in read] == [make_prompt(0).id, make_prompt(1).id]  # the AOF kept the first
     finally:
-        restart.join()
-        for proc in [server, *servers]:
+        restart.cancel()
+        if restart.is_alive():
+            restart.join()
+        for proc in servers:
             proc.kill()
             proc.wait()
