@@ -62,7 +62,7 @@ class WeightState:
     """What the control plane and the worker loop share, under one lock."""
 
     loaded: int = 0
-    loaded_sha256: str = ""  # with the version, what identifies the loaded weights ("": the initial policy)
+    loaded_sha256: str = ""  # with `loaded`, what identifies the loaded weights ("": the initial policy)
     loads: int = 0  # versions loaded since the process started
     desired: WeightVersion | None = None
     last_error: str = ""
@@ -119,10 +119,7 @@ class Generator:
         """Between batches: load the desired version if it differs; a bad file leaves the old one serving."""
         with self.weights.lock:
             desired = self.weights.desired
-            if desired is None or (desired.version, desired.sha256) == (
-                self.weights.loaded,
-                self.weights.loaded_sha256,
-            ):
+            if desired is None or self._is_loaded(desired):
                 return
         start = time.perf_counter()
         try:
@@ -145,6 +142,12 @@ class Generator:
             self.weights.loads += 1
             self.weights.last_error = ""
         log.info("loaded weight version %d in %.2fs", desired.version, time.perf_counter() - start)
+
+    def _is_loaded(self, weights: WeightVersion) -> bool:
+        """By version and digest, not by version alone: another file claiming the loaded number is not it."""
+        if not self.weights.loaded_sha256:  # the initial policy, version 0 by definition
+            return weights.version == 0
+        return (weights.version, weights.sha256) == (self.weights.loaded, self.weights.loaded_sha256)
 
     # ---- work loop ---------------------------------------------------------------------------------
     def run(self) -> None:
