@@ -111,3 +111,21 @@ def test_fuzzed_specs_either_parse_or_raise_spec_error(data):
         assert isinstance(parse_spec({**MINIMAL, **data}), RunSpec)
     except SpecError as err:
         assert "invalid run spec" in str(err)
+
+
+def test_a_loaded_policy_too_short_for_prompt_plus_response_is_refused_at_run_start(tmp_path):
+    """Issue #13, finding 8: named by field before any process starts, not by a generator at sampling time."""
+    from transformers import LlamaConfig
+
+    from reinforce.supervisor.main import _check_fits_policy
+
+    LlamaConfig(max_position_embeddings=64).save_pretrained(tmp_path / "policy")
+    spec = parse_spec({**MINIMAL, "policy": {"path": str(tmp_path / "policy")}, "data": {"prompts": "p.txt"}})
+    with pytest.raises(SpecError) as err:
+        _check_fits_policy(spec, Path("run.yaml"), tmp_path / "policy")
+    assert str(err.value) == (
+        "run.yaml: data.max_prompt_tokens (128) + generation.max_new_tokens (48) = 176 exceeds the policy's "
+        "max_position_embeddings (64)"
+    )
+    short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_prompt_tokens": 16})})
+    _check_fits_policy(short, Path("run.yaml"), tmp_path / "policy")  # 16 + 48 fits
