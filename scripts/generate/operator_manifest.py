@@ -10,9 +10,11 @@ from typing import Any
 
 import yaml
 
+from reinforce.core.names import OPERATOR_APP_NAME
+from reinforce.operator.children import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from reinforce.operator.rbac import OPERATOR_RULES
 
-OPERATOR_NAME = "reinforce-operator"
+OPERATOR_NAME = OPERATOR_APP_NAME
 OPERATOR_NAMESPACE = "reinforce-system"
 DEFAULT_IMAGE = "reinforce-operator:0.1.0"
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "operator" / "operator.yaml"
@@ -48,7 +50,7 @@ def operator_deployment(
         "image": image,
         "command": ["reinforce", "operator"],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False},
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     return {
         "apiVersion": "apps/v1",
@@ -60,7 +62,11 @@ def operator_deployment(
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {"serviceAccountName": name, "containers": [container]},
+                "spec": {
+                    "serviceAccountName": name,
+                    "securityContext": POD_SECURITY_CONTEXT,  # "restricted", as every pod of a run
+                    "containers": [container],
+                },
             },
         },
     }

@@ -83,6 +83,12 @@ def test_compose_commands_and_probes_are_the_services_launch():
 
 
 @needs_compose
+def test_compose_redis_takes_its_password_from_a_file_as_the_operators_pods_do():
+    command = yaml.safe_load(COMPOSE.read_text())["services"]["redis"]["command"]
+    assert command[:2] == ["sh", "-c"] and "--requirepass" not in command[2]
+    assert command[2].replace("$$", "$") == launch.redis_shell_command(6379, "/data", "/tmp", "REDIS_PASSWORD")
+
+
 def test_images_default_to_the_compose_commands():
     services = compose_config()["services"]
     for service, name in [("reward", "reward"), ("generator", "generator-0"), ("trainer", "trainer")]:

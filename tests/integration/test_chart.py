@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,16 @@ def installed(kube_apiserver: KubeCluster) -> Iterator[str]:  # noqa: F811
 
 
 @pytest.mark.slow
+def _read_or_none(read: Callable[[str, str], Any], name: str, namespace: str = "chart-runs") -> Any:
+    """The object, or None while it does not exist yet (404)."""
+    try:
+        return read(name, namespace)
+    except client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
 def test_helm_install_then_kubectl_apply_a_run_gets_its_children(
     kube_apiserver: KubeCluster,  # noqa: F811
     installed: str,
@@ -185,7 +195,8 @@ def test_helm_install_then_kubectl_apply_a_run_gets_its_children(
             apps = client.AppsV1Api(admin)
             names = lambda: {d.metadata.name for d in apps.list_namespaced_deployment(runs_namespace).items}  # noqa: E731
             assert wait_for(lambda: names() == {"from-kubectl-reward", "from-kubectl-generator"}, 30)
-            trainer = apps.read_namespaced_stateful_set("from-kubectl-trainer", runs_namespace)
+            # Children appear one apply after another: wait for the one read here too (not only the Deployments).
+            trainer = wait_for(lambda: _read_or_none(apps.read_namespaced_stateful_set, "from-kubectl-trainer"), 30)
             # the chart's operatorConfig
             assert trainer.spec.template.spec.containers[0].image == "reinforce-trainer:0.1.0"
             runs = client.CustomObjectsApi(admin)

@@ -284,11 +284,11 @@ def test_trainer_enqueues_a_full_step_and_counts_long_prompts(
 ) -> None:
     trainer = tiny_trainer(tmp_path, redis_url, on_long_prompt)
     try:
-        prompts = trainer.enqueue_prompts(step=0)
+        prompts = trainer.feeder.enqueue_prompts(step=0)
         assert [p.text for p in prompts] == texts
         assert [p.id for p in prompts] == ["0-0", "0-1", "0-2"]
         assert all(len(p.token_ids) <= 5 for p in prompts)
-        stats_of_step = trainer.data_stats[0]
+        stats_of_step = trainer.feeder.data_stats[0]
         assert set(stats_of_step) <= set(STEP_METRICS)
         counts = (stats_of_step["data/truncated_prompts"], stats_of_step["data/skipped_long_prompts"])
         assert counts == stats
@@ -296,3 +296,22 @@ def test_trainer_enqueues_a_full_step_and_counts_long_prompts(
         assert [p for _, p in queued] == prompts
     finally:
         trainer.metrics.close()
+
+
+def test_a_non_utf8_line_a_directory_and_a_huge_line_are_named(tmp_path: Path) -> None:
+    """Issue #13, finding 8 (and the 10 MB prompt line): file:line, not a byte offset; a directory by name; a
+    runaway line refused by its line number before it is decoded or tokenised."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"fine\nalso fine\ncaf\xe9\n")
+    with pytest.raises(DataError, match=r"latin1\.txt:3: not UTF-8 text \(.* at column 4\)"):
+        load_prompts(bad)
+    assert read_prompt_file(bad, on_bad_line="skip").prompts == ["fine", "also fine"]
+    folder = tmp_path / "prompts.jsonl"
+    folder.mkdir()
+    with pytest.raises(DataError, match=r"prompts\.jsonl: is a directory, not a prompt file"):
+        load_prompts(folder)
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"short\n" + b"a" * (10 << 20) + b"\nafter\n")
+    with pytest.raises(DataError, match=r"huge\.txt:2: line longer than 1048576 bytes"):
+        load_prompts(huge)
+    assert read_prompt_file(huge, on_bad_line="skip").prompts == ["short", "after"]

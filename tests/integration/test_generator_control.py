@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,10 +11,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from google.protobuf.json_format import MessageToDict
+from prometheus_client import generate_latest
 from transformers import PreTrainedModel
 
 from reinforce.core.models import load_policy, materialize_policy
-from reinforce.core.records_pb2 import WeightVersion
+from reinforce.core.records_pb2 import Prompt, WeightVersion
+from reinforce.core.reward_client import RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.core.weights import publish
@@ -44,6 +48,7 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> RunSpec:
 def gen(spec: RunSpec, redis_url: str) -> Iterator[Generator]:
     torch.set_num_threads(1)  # the test machine's cores are shared
     generator = Generator(spec, redis_url, REWARD_URL, "gen-test")
+    generator.queue.delete_run_keys()  # no published version left over from another test
     yield generator
     generator.reward.close()
     generator.queue.client.close()
@@ -72,6 +77,13 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def same_weights(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> bool:
     got = model.state_dict()
     return got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def publish_in_run(gen: Generator, model: torch.nn.Module, version: int) -> WeightVersion:
+    """What the run's trainer does: write the version into the run's weights folder and announce it in Redis."""
+    weights = publish(model, RunPaths(gen.spec.resolved_run_dir()).weights, version)
+    gen.queue.publish_weights(weights)
+    return weights
 
 
 def post(http: TestClient, weights: WeightVersion) -> None:
@@ -113,11 +125,11 @@ def test_weight_endpoints_refuse_a_missing_or_wrong_token(http: TestClient, gen:
     assert gen.weights.desired is None  # a refused request changes nothing
 
 
-def test_posted_version_is_loaded(http: TestClient, gen: Generator, spec: RunSpec, tmp_path: Path) -> None:
+def test_posted_version_is_loaded(http: TestClient, gen: Generator, spec: RunSpec) -> None:
     assert weights_status(http) == {"loaded_version": 0, "loads": 0, "desired_version": None, "last_error": ""}
     trained = perturbed_policy(spec, seed=1)
     assert not same_weights(gen.engine.model, state(trained))
-    post(http, publish(trained, tmp_path / "weights", version=1))
+    post(http, publish_in_run(gen, trained, version=1))
     # Accepting only records the wish: the worker loads it between batches.
     assert weights_status(http) == {"loaded_version": 0, "loads": 0, "desired_version": 1, "last_error": ""}
     gen.apply_desired_weights()
@@ -126,11 +138,11 @@ def test_posted_version_is_loaded(http: TestClient, gen: Generator, spec: RunSpe
     assert "reinforce_generator_weight_version 1.0" in http.get("/metrics").text
 
 
-def test_corrupted_weight_file_is_refused(http: TestClient, gen: Generator, spec: RunSpec, tmp_path: Path) -> None:
+def test_corrupted_weight_file_is_refused(http: TestClient, gen: Generator, spec: RunSpec) -> None:
     good = perturbed_policy(spec, seed=1)
-    post(http, publish(good, tmp_path / "weights", version=1))
+    post(http, publish_in_run(gen, good, version=1))
     gen.apply_desired_weights()
-    bad = publish(perturbed_policy(spec, seed=2), tmp_path / "weights", version=2)
+    bad = publish_in_run(gen, perturbed_policy(spec, seed=2), version=2)
     path = Path(bad.uri)
     data = bytearray(path.read_bytes())
     data[-8:] = bytes(b ^ 0xFF for b in data[-8:])  # flip bytes inside the tensor data
@@ -144,14 +156,15 @@ def test_corrupted_weight_file_is_refused(http: TestClient, gen: Generator, spec
     assert same_weights(gen.engine.model, state(good))
 
 
-def test_rollback_to_an_older_version(http: TestClient, gen: Generator, spec: RunSpec, tmp_path: Path) -> None:
+def test_rollback_to_an_older_version(http: TestClient, gen: Generator, spec: RunSpec) -> None:
     older, newer = perturbed_policy(spec, seed=1), perturbed_policy(spec, seed=2)
-    v1 = publish(older, tmp_path / "weights", version=1)
-    v2 = publish(newer, tmp_path / "weights", version=2)
+    v1 = publish_in_run(gen, older, version=1)
+    v2 = publish_in_run(gen, newer, version=2)
     post(http, v2)
     gen.apply_desired_weights()
     assert same_weights(gen.engine.model, state(newer))
     # A trainer resumed from an earlier checkpoint publishes an older version: the latest request wins.
+    gen.queue.publish_weights(v1)
     post(http, v1)
     gen.apply_desired_weights()
     assert weights_status(http) == {"loaded_version": 1, "loads": 2, "desired_version": 1, "last_error": ""}
@@ -194,3 +207,103 @@ def test_a_generator_without_a_supervisor_prepares_the_same_initial_policy(
     finally:
         generator.reward.close()
         generator.queue.client.close()
+
+
+def test_a_forged_version_is_refused_and_the_real_one_still_loads(
+    http: TestClient, gen: Generator, spec: RunSpec
+) -> None:
+    """Issue #13, finding 1: the control token alone cannot make a generator load weights the trainer never
+    published, even a well-formed file in the run's folder with its correct sha256 and the next version number."""
+    v1 = publish_in_run(gen, perturbed_policy(spec, seed=1), version=1)
+    post(http, v1)
+    gen.apply_desired_weights()
+    weights_dir = RunPaths(spec.resolved_run_dir()).weights
+    forged = publish(perturbed_policy(spec, seed=66), weights_dir, version=2)  # written, never announced
+    forged_same_version = publish(perturbed_policy(spec, seed=67), weights_dir / "forged", version=1)
+    for attempt in (forged, forged_same_version):
+        reply = http.post("/v1/weights", json=MessageToDict(attempt), headers=AUTH)
+        assert reply.status_code == 409 and "not the run's published weight version" in reply.json()["error"]
+    assert gen.weights.desired.version == 1  # the genuine request stands
+    real = publish_in_run(gen, perturbed_policy(spec, seed=2), version=2)  # the trainer's v2 overwrites the file
+    post(http, real)
+    gen.apply_desired_weights()
+    assert weights_status(http)["loaded_version"] == 2
+    assert same_weights(gen.engine.model, state(perturbed_policy(spec, seed=2)))
+
+
+def test_a_published_record_naming_another_host_or_file_is_refused(
+    http: TestClient, gen: Generator, spec: RunSpec
+) -> None:
+    """Issue #13, finding 2: even a record in Redis cannot point the generator at /etc/passwd or another host."""
+    for uri in ("/etc/passwd", "http://any-host.invalid/v1/weights/v000001.safetensors"):
+        weights = WeightVersion(version=1, uri=uri, sha256="0" * 64)
+        gen.queue.publish_weights(weights)
+        post(http, weights)
+        gen.apply_desired_weights()
+        status = weights_status(http)
+        assert status["loaded_version"] == 0 and "is not this run's" in status["last_error"]
+
+
+async def _asgi_post(app: object, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, int]:
+    """POST /v1/weights straight into the ASGI app: (status, how many body chunks the app pulled)."""
+    pulled = 0
+
+    async def receive() -> dict:
+        nonlocal pulled
+        if pulled < len(chunks):
+            pulled += 1
+            return {"type": "http.request", "body": chunks[pulled - 1], "more_body": pulled < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    statuses: list[int] = []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/weights", "raw_path": b"/v1/weights", "query_string": b"", "root_path": "",
+        "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)  # type: ignore[operator]
+    return statuses[0], pulled
+
+
+def test_an_unauthenticated_body_is_never_read_and_a_large_one_is_413(gen: Generator) -> None:
+    """Issue #13, finding 3: the token is checked before the body is read; a body over the cap is refused."""
+    app = control_plane(gen, TOKEN)
+    chunks = [b"[" + b"0," * 512 * 1024] * 64  # 64 MiB of JSON, sent in 1 MiB chunks, no Content-Length
+    assert asyncio.run(_asgi_post(app, [], chunks)) == (401, 0)
+    status, pulled = asyncio.run(_asgi_post(app, [(b"authorization", f"Bearer {TOKEN}".encode())], chunks))
+    assert status == 413 and pulled == 1  # given up after the first chunk passed the cap
+    declared = [(b"authorization", f"Bearer {TOKEN}".encode()), (b"content-length", b"300000000")]
+    assert asyncio.run(_asgi_post(app, declared, chunks)) == (413, 0)
+    assert gen.weights.desired is None
+
+
+class _FailingReward:
+    """A reward client whose reward function raised on the server (what RewardClient.score then raises)."""
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        raise RewardFunctionError("reward server at http://x: request failed: reward function failed: boom")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_reward_function_costs_the_batch_its_rewards_not_the_generator(gen: Generator) -> None:
+    """A reward function that raises (or returns the wrong count or strings) is a user bug no retry fixes: the
+    group goes out with NaN rewards (the trainer drops and counts them), the prompt is acknowledged, the error
+    is logged and counted, and the generator keeps working."""
+    gen.reward.close()
+    gen.reward = _FailingReward()  # type: ignore[assignment]
+    gen.queue.ensure_groups()
+    prompt = Prompt(id="0-0", step=0, policy_version=0, text="ab", token_ids=[1, 2], num_samples=2, seed=1)
+    gen.queue.put_prompts([prompt])
+    entries = gen.queue.read_prompts(gen.name, count=1, block_ms=0)
+    gen.process(entries)
+    [(_, group)] = gen.queue.read_rollouts("trainer-0", count=10, block_ms=0)
+    assert group.prompt_id == "0-0" and all(math.isnan(s.reward) for s in group.samples)
+    assert gen.queue.read_prompts(gen.name, count=10, block_ms=0, pending=True) == []  # acknowledged
+    assert "reinforce_generator_reward_failures_total 4.0" in generate_latest(gen.metrics.registry).decode()

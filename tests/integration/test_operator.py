@@ -71,6 +71,7 @@ KINDS = {  # what each run owns (with its own Redis)
     ("Deployment", "generator"),
     ("Service", "trainer"),
     ("StatefulSet", "trainer"),
+    ("NetworkPolicy", "network"),
 }
 
 
@@ -236,6 +237,7 @@ class Cluster:
             ("Service", self.core.list_namespaced_service(ns).items),
             ("StatefulSet", self.apps.list_namespaced_stateful_set(ns).items),
             ("Deployment", self.apps.list_namespaced_deployment(ns).items),
+            ("NetworkPolicy", client.NetworkingV1Api(self.core.api_client).list_namespaced_network_policy(ns).items),
         ):
             for obj in objects:
                 if obj.metadata.owner_references:  # not the ServiceAccount token, not a StatefulSet's claims

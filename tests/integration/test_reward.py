@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reinforce.core.reward_client import RewardClient, RewardServerError, backoff_s
+from reinforce.core.reward_client import RewardClient, RewardFunctionError, RewardServerError, backoff_s
 from reinforce.core.spec import RewardSpec
 from reinforce.reward.rewards import RewardError, build_reward_fn, char_fraction, vader_reward
 
@@ -68,7 +68,7 @@ class Server:
 
     def start(self) -> None:
         http, grpc, metrics = (str(p) for p in self.ports)
-        cmd = [sys.executable, "-m", "reinforce.reward", "--spec", str(self.spec), "--address", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "reinforce.reward", "--spec", str(self.spec), "--host", "127.0.0.1"]
         cmd += ["--http-port", http, "--grpc-port", grpc, "--metrics-port", metrics]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
@@ -305,7 +305,7 @@ def test_nan_and_inf_pass_through_the_server(servers: dict[str, Server]):
 def test_failing_reward_fn_is_an_error_and_the_server_keeps_serving(servers: dict[str, Server]):
     with client(servers["flaky"], max_retries=3) as rc:
         start = time.monotonic()
-        with pytest.raises(RewardServerError, match=r"reward function failed: RuntimeError: kaboom"):
+        with pytest.raises(RewardFunctionError, match=r"reward function failed: RuntimeError: kaboom"):
             rc.score(["p"] * 2, ["fine", "boom"])
         assert time.monotonic() - start < 2.0  # not retried: it would fail again
         assert rc.score(["p"] * 2, ["fine", "ok"]) == [4.0, 2.0]

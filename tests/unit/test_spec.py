@@ -45,6 +45,21 @@ def test_defaults_follow_nemo_aligner():
         ({"training": {"prompts_per_step": 6, "num_ranks": 4}}, "training.prompts_per_step (6) must be a multiple"),
         # with one sample RLOO has no baseline: every advantage would be 0 and the run would learn nothing
         ({"algorithm": {"num_rollouts_per_prompt": 1}}, "algorithm.num_rollouts_per_prompt: Input should be greater"),
+        # Issue #13, finding 8: no coercion surprises, no infinities, betas in [0, 1), bounded lengths
+        ({"training": {"adam_betas": [2, -1]}}, "training.adam_betas: Value error, each beta must be in [0, 1)"),
+        ({"training": {"adam_betas": [True, 0.9]}}, "training.adam_betas: Value error, both betas must be numbers"),
+        ({"training": {"lr": float("inf")}}, "training.lr: Input should be a finite number"),
+        ({"training": {"lr": float("nan")}}, "training.lr: Input should be a finite number"),
+        ({"restart": {"max_backoff_s": float("inf")}}, "restart.max_backoff_s: Input should be a finite number"),
+        ({"training": {"steps": True}}, "training.steps: Input should be a valid integer"),
+        ({"training": {"steps": 2.0}}, "training.steps: Input should be a valid integer"),
+        ({"data": {"prompts": "p.txt", "shuffle": "yes"}}, "data.shuffle: Input should be a valid boolean"),
+        ({"generation": {"max_new_tokens": 10**9}}, "generation.max_new_tokens: Input should be less than or equal"),
+        (
+            {"generation": {"max_new_tokens": 200}},  # + max_prompt_tokens 128 > the random policy's 256 positions
+            "data.max_prompt_tokens (128) + generation.max_new_tokens (200) = 328 exceeds "
+            "policy.random_init.max_position_embeddings (256)",
+        ),
     ],
 )
 def test_bad_fields_are_named(patch, expected):
@@ -53,6 +68,15 @@ def test_bad_fields_are_named(patch, expected):
         parse_spec(data, "run.yaml")
     assert expected in str(err.value)
     assert str(err.value).startswith("run.yaml: invalid run spec")
+
+
+def test_yaml_spellings_of_the_old_surprises_are_refused(tmp_path):
+    """The YAML a user writes, not only Python values: `.inf`, `true` for a count."""
+    for text, field in (("training: {lr: .inf}", "training.lr"), ("training: {steps: true}", "training.steps")):
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(MINIMAL) + text + "\n")
+        with pytest.raises(SpecError, match=field):
+            load_spec(path)
 
 
 def test_missing_required_section_is_named():
@@ -87,3 +111,21 @@ def test_fuzzed_specs_either_parse_or_raise_spec_error(data):
         assert isinstance(parse_spec({**MINIMAL, **data}), RunSpec)
     except SpecError as err:
         assert "invalid run spec" in str(err)
+
+
+def test_a_loaded_policy_too_short_for_prompt_plus_response_is_refused_at_run_start(tmp_path):
+    """Issue #13, finding 8: named by field before any process starts, not by a generator at sampling time."""
+    from transformers import LlamaConfig
+
+    from reinforce.supervisor.main import _check_fits_policy
+
+    LlamaConfig(max_position_embeddings=64).save_pretrained(tmp_path / "policy")
+    spec = parse_spec({**MINIMAL, "policy": {"path": str(tmp_path / "policy")}, "data": {"prompts": "p.txt"}})
+    with pytest.raises(SpecError) as err:
+        _check_fits_policy(spec, Path("run.yaml"), tmp_path / "policy")
+    assert str(err.value) == (
+        "run.yaml: data.max_prompt_tokens (128) + generation.max_new_tokens (48) = 176 exceeds the policy's "
+        "max_position_embeddings (64)"
+    )
+    short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_prompt_tokens": 16})})
+    _check_fits_policy(short, Path("run.yaml"), tmp_path / "policy")  # 16 + 48 fits

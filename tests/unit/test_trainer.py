@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
 from reinforce.core.spec import TrainingSpec
-from reinforce.core.weights import WeightError, load_verified, module_loader, publish
+from reinforce.core.weights import WeightError, WeightSources, load_verified, module_loader, publish
 from reinforce.trainer.backends.base import lr_factor
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
@@ -71,7 +71,7 @@ def test_weights_round_trip_and_corruption_is_refused(tmp_path):
     source, target = tiny_model(0), tiny_model(1)
     published = publish(source, tmp_path, version=5)
     assert published.version == 5 and len(published.sha256) == 64
-    load_verified(module_loader(target), published)
+    load_verified(module_loader(target), published, WeightSources(tmp_path))
     assert same_weights(source, target)
 
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -79,7 +79,7 @@ def test_weights_round_trip_and_corruption_is_refused(tmp_path):
     tampered.CopyFrom(published)
     tampered.sha256 = "0" * 64
     with pytest.raises(WeightError, match="sha256"):
-        load_verified(module_loader(target), tampered)
+        load_verified(module_loader(target), tampered, WeightSources(tmp_path))
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
@@ -111,3 +111,102 @@ def test_checkpoint_round_trip_keeps_last_k(tmp_path):
     assert restored.scheduler.last_epoch == backend.scheduler.last_epoch
     exp_avg = [b.optimizer.state_dict()["state"][0]["exp_avg"] for b in (backend, restored)]
     assert torch.equal(*exp_avg)
+
+
+def test_groups_whose_logprobs_are_not_the_trainers_are_refused_and_counted(tmp_path):
+    """Issue #13, finding 1: a group 'sampled by version v' whose log-probs are far from what v gives (forged or
+    corrupted weights behind it) is left out of the update and counted; a genuine group is trained on."""
+    from reinforce.core.models import materialize_policy
+    from reinforce.core.spec import RunSpec
+    from reinforce.trainer.algorithms import build_algorithm
+    from reinforce.trainer.backends import build_backend
+
+    spec = RunSpec.model_validate(
+        {
+            "name": "mismatch",
+            "policy": {"random_init": {"hidden_size": 16, "intermediate_size": 16, "num_layers": 1}},
+            "data": {"prompts": "unused.txt"},
+            "algorithm": {"num_rollouts_per_prompt": 2},
+            "training": {"prompts_per_step": 2, "micro_batch_prompts": 2, "lr": 1e-3},
+        }
+    )
+    materialize_policy(spec.policy, tmp_path / "policy", seed=0)
+    backend = build_backend(spec.training, tmp_path / "policy", Ranks())
+    responses = [[3, 4, 5], [6, 7]]
+    with torch.no_grad():
+        genuine, _ = backend.policy_logprobs([[1, 2]] * 2, responses, 1.0)
+
+    def group(pid: str, logprobs: list[list[float]]) -> RolloutGroup:
+        samples = [
+            Sample(token_ids=r, logprobs=lp, reward=float(i), is_end=True)
+            for i, (r, lp) in enumerate(zip(responses, logprobs, strict=True))
+        ]
+        return RolloutGroup(prompt_id=pid, step=0, policy_version=0, prompt_token_ids=[1, 2], samples=samples)
+
+    honest = group("0-0", [genuine[0, :3].tolist(), genuine[1, :2].tolist()])
+    forged = group("0-1", [[-0.01] * 3, [-0.01] * 2])  # what other weights (near-certain tokens) would report
+    values = build_algorithm(spec, Ranks()).update(StepBatch.from_groups([honest, forged]), backend, version=0)
+    assert values["train_rollouts/refused_mismatched_groups"] == 1.0
+    assert math.isfinite(values["train_optim/loss"]) and values["train_optim/loss"] != 0.0  # the honest one trained
+
+
+def test_checkpoint_files_and_folders_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    """Issue #13, finding 10: a crash right after a checkpoint is named cannot leave it empty or partial."""
+    import os
+
+    from reinforce.core import durable
+
+    policy_dir = tmp_path / "policy"
+    tiny_model(0).save_pretrained(policy_dir)
+    backend = TorchBackend(TrainingSpec(lr=1e-3), policy_dir, Ranks())
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("rename", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    monkeypatch.setattr(durable.os, "replace", replace)
+    final = save_checkpoint(tmp_path / "ckpt", TrainerState(1, {"epoch": 0, "index": 1}, 1), backend, keep=2)
+    renamed = events.index(("rename", str(final)))
+    synced_before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    tmp = str(tmp_path / "ckpt" / ".tmp-step-000001")
+    files = {f"{tmp}/{p.relative_to(final)}" for p in final.rglob("*")}
+    assert files and files | {tmp} <= synced_before
+    assert ("fsync", str(tmp_path / "ckpt")) in events[renamed:]  # the new name itself is durable
+
+
+def test_metrics_rewrite_on_resume_is_atomic_and_appending_continues(tmp_path, monkeypatch):
+    """Issue #13, finding 10: a resume drops the rows of redone steps by writing a new file and renaming it; a
+    crash mid-rewrite keeps the old file whole, and the writer appends to the new file afterwards."""
+    from reinforce.core import durable
+    from reinforce.core.metrics import STEP_METRICS, TrainerMetrics, read_metrics
+    from reinforce.trainer.main import _truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    metrics = TrainerMetrics(path)
+    values = dict.fromkeys(STEP_METRICS, 0.0)
+    for step in (1, 2, 3):
+        metrics.record(step, values)
+    before = path.read_text()
+
+    def crash(*_args: object) -> None:
+        raise OSError("power lost")
+
+    monkeypatch.setattr(durable.os, "replace", crash)
+    with pytest.raises(OSError):
+        _truncate_jsonl(path, keep_through_step=1)
+    assert path.read_text() == before  # nothing lost
+    monkeypatch.undo()
+    inode = path.stat().st_ino
+    _truncate_jsonl(path, keep_through_step=1)
+    assert path.stat().st_ino != inode  # a new file, renamed into place
+    metrics.reopen()
+    metrics.record(2, values)
+    metrics.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from reinforce.core.weights import (
     LoadStats,
     WeightError,
     WeightServer,
+    WeightSources,
     load_verified,
     module_loader,
     publish,
@@ -85,6 +87,11 @@ def publish_served(server: WeightServer, model: torch.nn.Module, version: int, k
     return publish(model, server.weights_dir, version, keep=keep, base_url=server.base_url("127.0.0.1"))
 
 
+def sources(server: WeightServer) -> WeightSources:
+    """A generator's allowed sources: the trainer's weight endpoint (and its folder, were it shared)."""
+    return WeightSources(server.weights_dir, server.base_url("127.0.0.1"))
+
+
 def raw_get(port: int, target: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """A request whose target goes on the wire byte for byte (httpx would normalise '..' segments)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -105,7 +112,7 @@ def test_round_trip_over_http(server: WeightServer, dirs: tuple[Path, Path]):
         == server.url_for(path, "127.0.0.1")
         == f"http://127.0.0.1:{server.port}/v1/weights/v000005.safetensors"
     )
-    stats = load_verified(module_loader(target), published, cache_dir=dirs[1])
+    stats = load_verified(module_loader(target), published, sources(server), cache_dir=dirs[1])
     assert same_weights(source, target)
     assert isinstance(stats, LoadStats) and stats.num_bytes == path.stat().st_size == published.num_bytes
     assert stats.fetch_seconds > 0 and stats.load_seconds > 0
@@ -116,7 +123,7 @@ def test_file_uri_still_works_and_reports_stats(tmp_path: Path):
     source, target = tiny_model(0), tiny_model(1)
     published = publish(source, tmp_path, version=1)
     assert published.uri == str(weight_path(tmp_path, 1).resolve())
-    stats = load_verified(module_loader(target), published)
+    stats = load_verified(module_loader(target), published, WeightSources(tmp_path))
     assert same_weights(source, target) and stats.num_bytes == published.num_bytes
 
 
@@ -125,10 +132,10 @@ def test_tampered_digest_is_refused_before_touching_the_model(server: WeightServ
     before = snapshot(target)
     published = publish_served(server, tiny_model(0), version=2)
     with pytest.raises(WeightError) as err:
-        load_verified(module_loader(target), copy_of(published, sha256="0" * 64), cache_dir=dirs[1])
+        load_verified(module_loader(target), copy_of(published, sha256="0" * 64), sources(server), cache_dir=dirs[1])
     message = str(err.value)
     assert "weight version 2" in message and published.uri in message
-    assert published.sha256 in message and "0" * 64 in message  # both digests named
+    assert published.sha256 not in message  # the file's digest is never echoed (it would hash any file)
     assert unchanged(target, before) and list(dirs[1].iterdir()) == []
 
 
@@ -141,7 +148,7 @@ def test_bytes_corrupted_on_disk_after_publish_are_refused(server: WeightServer,
     data[-1] ^= 0xFF  # same length, one tensor byte flipped: only the digest can tell
     path.write_bytes(bytes(data))
     with pytest.raises(WeightError, match="sha256"):
-        load_verified(module_loader(target), published, cache_dir=dirs[1])
+        load_verified(module_loader(target), published, sources(server), cache_dir=dirs[1])
     assert unchanged(target, before) and list(dirs[1].iterdir()) == []
 
 
@@ -151,7 +158,7 @@ def test_pruned_version_is_404_naming_the_version(server: WeightServer, dirs: tu
     publish_served(server, model, version=2, keep=1)  # prunes v1
     assert not weight_path(server.weights_dir, 1).exists()
     with pytest.raises(WeightError, match=r"weight version 1: .*v000001\.safetensors: HTTP 404"):
-        load_verified(module_loader(tiny_model(1)), old, cache_dir=dirs[1])
+        load_verified(module_loader(tiny_model(1)), old, sources(server), cache_dir=dirs[1])
 
 
 def test_token_is_required(secured: WeightServer, dirs: tuple[Path, Path]):
@@ -161,10 +168,10 @@ def test_token_is_required(secured: WeightServer, dirs: tuple[Path, Path]):
     assert httpx.get(published.uri, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(published.uri, headers={"Authorization": TOKEN}).status_code == 401  # no "Bearer "
     with pytest.raises(WeightError, match="HTTP 401"):
-        load_verified(module_loader(target), published, cache_dir=dirs[1])
+        load_verified(module_loader(target), published, sources(secured), cache_dir=dirs[1])
     with pytest.raises(WeightError, match="HTTP 401"):
-        load_verified(module_loader(target), published, cache_dir=dirs[1], token="wrong")
-    load_verified(module_loader(target), published, cache_dir=dirs[1], token=TOKEN)
+        load_verified(module_loader(target), published, sources(secured), cache_dir=dirs[1], token="wrong")
+    load_verified(module_loader(target), published, sources(secured), cache_dir=dirs[1], token=TOKEN)
     assert same_weights(source, target)
 
 
@@ -222,14 +229,14 @@ def test_multi_megabyte_file_streams_intact(server: WeightServer, dirs: tuple[Pa
     assert size > 5 << 20  # several of the server's and client's chunks
     head = httpx.head(published.uri)
     assert head.status_code == 200 and int(head.headers["content-length"]) == size
-    stats = load_verified(module_loader(target), published, cache_dir=dirs[1])
+    stats = load_verified(module_loader(target), published, sources(server), cache_dir=dirs[1])
     assert same_weights(source, target) and stats.num_bytes == size
 
 
 def test_http_uri_needs_a_cache_dir(server: WeightServer):
     published = publish_served(server, tiny_model(0), version=1)
     with pytest.raises(ValueError, match="cache_dir"):
-        load_verified(module_loader(tiny_model(1)), published)
+        load_verified(module_loader(tiny_model(1)), published, sources(server))
 
 
 def test_a_body_longer_than_published_is_cut_off(server: WeightServer, dirs: tuple[Path, Path]):
@@ -237,7 +244,7 @@ def test_a_body_longer_than_published_is_cut_off(server: WeightServer, dirs: tup
     before = snapshot(target)
     published = publish_served(server, tiny_model(0), version=1)
     with pytest.raises(WeightError, match="more than the published 100 bytes"):
-        load_verified(module_loader(target), copy_of(published, num_bytes=100), cache_dir=dirs[1])
+        load_verified(module_loader(target), copy_of(published, num_bytes=100), sources(server), cache_dir=dirs[1])
     assert unchanged(target, before) and list(dirs[1].iterdir()) == []
 
 
@@ -271,7 +278,8 @@ def test_transient_failures_are_retried(tmp_path: Path, dirs: tuple[Path, Path],
     threading.Thread(target=flaky.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{flaky.server_address[1]}/v1/weights/v000006.safetensors"
-        stats = load_verified(module_loader(target), copy_of(published, uri=url), cache_dir=dirs[1])
+        allowed = WeightSources(tmp_path, f"http://127.0.0.1:{flaky.server_address[1]}")
+        stats = load_verified(module_loader(target), copy_of(published, uri=url), allowed, cache_dir=dirs[1])
     finally:
         flaky.shutdown()
         flaky.server_close()
@@ -282,11 +290,12 @@ def test_transient_failures_are_retried(tmp_path: Path, dirs: tuple[Path, Path],
 def test_unreachable_server_gives_up_naming_the_url(dirs: tuple[Path, Path], fast_retries: None):
     with WeightServer(dirs[0], host="127.0.0.1") as srv:
         published = publish_served(srv, tiny_model(0), version=1)
+        allowed = sources(srv)
     # the server is stopped now: its port refuses connections
     with pytest.raises(
         WeightError, match=r"weight version 1: cannot fetch http://127\.0\.0\.1:\d+/.* after 3 attempts"
     ):
-        load_verified(module_loader(tiny_model(1)), published, cache_dir=dirs[1])
+        load_verified(module_loader(tiny_model(1)), published, allowed, cache_dir=dirs[1])
     assert list(dirs[1].iterdir()) == []
 
 
@@ -294,3 +303,33 @@ def test_url_for_refuses_other_names(server: WeightServer):
     with pytest.raises(ValueError):
         server.url_for(Path("/etc/passwd"), "127.0.0.1")
     assert server.base_url("fd00::1") == f"http://[fd00::1]:{server.port}"
+
+
+def test_a_uri_outside_the_runs_sources_is_refused_untouched(server: WeightServer, dirs: tuple[Path, Path]):
+    """Issue #13, finding 2: the token goes to the run's trainer only, and no other file is read or hashed."""
+    requests: list[str] = []
+    spy = ThreadingHTTPServer(("127.0.0.1", 0), type("Spy", (_Flaky,), {"calls": requests}))
+    threading.Thread(target=spy.serve_forever, daemon=True).start()
+    published = publish_served(server, tiny_model(0), version=1)
+    elsewhere = f"http://127.0.0.1:{spy.server_address[1]}/v1/weights/v000001.safetensors"
+    passwd = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
+    try:
+        for uri in (elsewhere, "/etc/passwd", str(dirs[0].parent / "v000001.safetensors"), published.uri + "x"):
+            with pytest.raises(WeightError, match="is not this run's") as err:
+                load_verified(module_loader(tiny_model(1)), copy_of(published, uri=uri), sources(server),
+                              cache_dir=dirs[1], token=TOKEN)  # fmt: skip
+            assert passwd not in str(err.value) and TOKEN not in str(err.value)
+    finally:
+        spy.shutdown()
+        spy.server_close()
+    assert requests == []  # the spy host was never contacted, let alone sent the token
+
+
+def test_a_wrong_file_in_the_folder_is_refused_without_its_digest(tmp_path: Path):
+    published = publish(tiny_model(0), tmp_path, version=1)
+    other = tmp_path / "v000002.safetensors"
+    other.write_bytes(b"not the published bytes")
+    forged = copy_of(published, version=2, uri=str(other.resolve()))
+    with pytest.raises(WeightError, match="does not match") as err:
+        load_verified(module_loader(tiny_model(1)), forged, WeightSources(tmp_path))
+    assert hashlib.sha256(b"not the published bytes").hexdigest() not in str(err.value)

@@ -6,10 +6,10 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +19,9 @@ class DataError(ValueError):
 
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# A prompt line longer than this is malformed (no prompt is a megabyte): refused by file:line before it is
+# decoded, parsed or tokenised, so one runaway line cannot exhaust the trainer's memory.
+MAX_LINE_BYTES = 1 << 20
 TEXT_SUFFIXES = (".txt",)
 OnBadLine = Literal["error", "skip"]  # DataSpec.on_bad_line
 # A prompt's text -> (token ids, or None to skip it; whether it was over-long): models.encode_prompt_checked.
@@ -50,15 +53,18 @@ def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error") -> Prom
     """
     path = Path(path)
     suffix = path.suffix.lower()
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a prompt file")
     if suffix not in JSONL_SUFFIXES + TEXT_SUFFIXES:
         raise DataError(f"{path}: unknown prompt file type {suffix!r} (use .jsonl or .txt)")
     parse = _jsonl_prompt if suffix in JSONL_SUFFIXES else _text_prompt
     prompts: list[str] = []
     skipped = 0
-    for lineno, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
+    for lineno, raw in enumerate(_read_lines(path), start=1):
         try:
+            line = _decode(raw, first=lineno == 1)
+            if not line.strip():
+                continue
             prompts.append(parse(line))
         except DataError as err:
             if on_bad_line == "error":
@@ -74,16 +80,32 @@ def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error") -> Prom
     return PromptFile(prompts, skipped)
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes, one at a time; a line over MAX_LINE_BYTES comes back cut to one byte more."""
     try:
-        # utf-8-sig: files saved by some Windows editors start with a byte-order mark.
-        return path.read_text(encoding="utf-8-sig").splitlines()
+        f = path.open("rb")
     except FileNotFoundError:
         raise DataError(f"{path}: no such prompt file") from None
-    except IsADirectoryError:
-        raise DataError(f"{path}: is a directory, not a prompt file") from None
+    with f:
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                _skip_rest_of_line(f)
+            yield line
+
+
+def _skip_rest_of_line(f: BinaryIO) -> None:
+    while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+        pass
+
+
+def _decode(raw: bytes, first: bool) -> str:
+    if len(raw) > MAX_LINE_BYTES:
+        raise DataError(f"line longer than {MAX_LINE_BYTES} bytes")
+    try:
+        # utf-8-sig on the first line: files saved by some Windows editors start with a byte-order mark.
+        return raw.decode("utf-8-sig" if first else "utf-8").rstrip("\r\n")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise DataError(f"not UTF-8 text ({err.reason} at column {err.start + 1})") from None
 
 
 def _text_prompt(line: str) -> str:

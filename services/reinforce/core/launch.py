@@ -1,7 +1,10 @@
 """How each service is launched: its module, its flags and its readiness probe, defined once.
 
 The local supervisor, the operator's pods, the container images' CMD and docker-compose.yml all start the
-services this way (tests/integration/test_compose.py checks the compose file against it).
+services this way (tests/e2e/test_compose.py checks the compose file against it).
+
+Every service listens on 127.0.0.1 unless given `--host` (names.LOCAL_HOST): a local run is reachable from this
+machine only. Pods and containers pass `--host 0.0.0.0` (names.ANY_HOST), as their Services need.
 """
 
 from __future__ import annotations
@@ -29,4 +32,24 @@ class Service:
 REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
 GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="port")
 TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
+
+
+def redis_shell_command(port: int, data_dir: str, config_dir: str, password_env: str) -> str:
+    """`sh -c` text that starts redis-server with its password from a config file, never on its command line.
+
+    printf is a shell builtin (no process whose argv `ps` could show); the file is private to the user. Append-only
+    file fsynced on every write: a Redis restart loses nothing acknowledged.
+    """
+    config = f"{config_dir}/redis.conf"
+    return (
+        f'umask 077 && printf \'requirepass "%s"\\n\' "${password_env}" > {config} && '
+        f"exec redis-server {config} --port {port} --dir {data_dir} --appendonly yes --appendfsync always --save ''"
+    )
+
+
+def weights_url(host: str, port: int) -> str:
+    """The trainer's weight endpoint as generators reach it (their --weights-url; the trainer's --advertise-host)."""
+    return f"http://{host}:{port}"
+
+
 SERVICES = {names.COMPONENT_REWARD: REWARD, names.COMPONENT_GENERATOR: GENERATOR, names.COMPONENT_TRAINER: TRAINER}

@@ -30,6 +30,8 @@ STEP_METRICS: dict[str, str] = {
     "train_rollouts/advantages_abs": "Mean absolute RLOO advantage.",
     "train_rollouts/dropped_nonfinite_rewards": "Samples left out of the step because their reward was NaN or inf.",
     "train_rollouts/logprob_mismatch": "Mean |generator log-prob - trainer log-prob| of the same tokens and weights.",
+    "train_rollouts/refused_mismatched_groups": "Groups refused because their log-probs were far from the trainer's "
+    "for the same weights (training.max_logprob_mismatch): not sampled by the published weights.",
     "train_rollouts/policy_lag": "Mean of (trained weight version - version that sampled the group).",
     "train_rollouts/policy_lag_max": "Largest policy lag of the step's groups (never above max_policy_lag).",
     "train_rollouts/dropped_stale_groups": "Groups dropped so far for being more than max_policy_lag versions old.",
@@ -80,10 +82,16 @@ class TrainerMetrics:
             buckets=(0, 1, 2, 3, 4, 8),
             registry=self.registry,
         )
+        self._jsonl_path = jsonl_path
         self._jsonl: IO[str] | None = None
-        if jsonl_path is not None:
-            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            self._jsonl = jsonl_path.open("a", buffering=1)
+        self.reopen()
+
+    def reopen(self) -> None:
+        """(Re)open metrics.jsonl for appending: after it was replaced by a rewrite (a resume drops rows)."""
+        self.close()
+        if self._jsonl_path is not None:
+            self._jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = self._jsonl_path.open("a", buffering=1)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         unknown = set(values) - set(STEP_METRICS)
@@ -99,6 +107,7 @@ class TrainerMetrics:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+            self._jsonl = None
 
 
 class GeneratorMetrics:
@@ -130,6 +139,11 @@ class GeneratorMetrics:
             registry=r,
         )
         self.weight_bytes = Counter(PREFIX + "generator_weight_bytes", "Weight bytes fetched.", registry=r)
+        self.reward_failures = Counter(
+            PREFIX + "generator_reward_failures",
+            "Responses left without a reward (NaN) because the reward function failed on their batch.",
+            registry=r,
+        )
         self.nonfinite_rewards = Counter(
             PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
         )

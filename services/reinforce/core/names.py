@@ -12,6 +12,10 @@ CONTROL_TOKEN_ENV = "REINFORCE_CONTROL_TOKEN"
 OPERATOR_CONFIG_ENV = "REINFORCE_OPERATOR_CONFIG"  # path of the operator's configuration file
 POD_NAME_ENV = "POD_NAME"  # the pod's own name, from the downward API (a StatefulSet ordinal ends it)
 
+# --- bind addresses: a local run listens on loopback only; pods bind every interface (--host, see launch.py) -----
+LOCAL_HOST = "127.0.0.1"
+ANY_HOST = "0.0.0.0"
+
 # --- components: process names locally, pod components on Kubernetes, `component` label in Prometheus --------
 COMPONENT_REDIS = "redis"
 COMPONENT_REWARD = "reward"
@@ -39,5 +43,7 @@ REWARD_LIVE_PATH = "/v2/health/live"
 PROMETHEUS_RUN_LABEL = "run"
 PROMETHEUS_COMPONENT_LABEL = "component"
 PROMETHEUS_INSTANCE_LABEL = "instance"
+K8S_NAME_LABEL = "app.kubernetes.io/name"  # "reinforce" on a run's objects, OPERATOR_APP_NAME on the operator's
 K8S_INSTANCE_LABEL = "app.kubernetes.io/instance"  # the run's name
 K8S_COMPONENT_LABEL = "app.kubernetes.io/component"
+OPERATOR_APP_NAME = "reinforce-operator"  # the operator's K8S_NAME_LABEL (chart and operator/operator.yaml)

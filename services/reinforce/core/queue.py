@@ -19,9 +19,11 @@ the trainer drops duplicate rollout groups by ``prompt_id``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -41,7 +43,9 @@ DATA_FIELD = b"data"
 _BLOCK_MARGIN_MS = 1000
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
+log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 # The field that names a record; an entry whose record lacks it is dead-lettered.
 _IDENTITY = {"Prompt": "id", "RolloutGroup": "prompt_id"}
 
@@ -59,13 +63,14 @@ def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def connect(url: str, socket_timeout: float = 30.0, retries: int = 5) -> redis.Redis:
-    """A client for ``redis://[[user]:password@]host:port/db`` that rides out short Redis restarts.
+def connect(url: str, socket_timeout: float = 30.0, max_outage_s: float = 60.0) -> redis.Redis:
+    """A client for ``redis://[[user]:password@]host:port/db`` that rides out Redis restarts.
 
     ``socket_timeout`` bounds every command; blocking reads of :class:`RolloutQueue` are shortened to
-    fit inside it. Connection errors and timeouts are retried ``retries`` times with jittered backoff
-    (about 5 s in all by default; redis-py retries a wrong password too). Responses stay bytes: the
-    records are binary protobuf.
+    fit inside it. Connection errors, timeouts and "loading the dataset" answers are retried with jittered
+    back-off for up to ``max_outage_s`` (`queue.max_outage_s` of the spec): a Redis restart replaying its
+    append-only file takes seconds, and a client that gave up sooner would take its whole service down.
+    Responses stay bytes: the records are binary protobuf.
     """
     return redis.Redis.from_url(
         url,
@@ -74,9 +79,43 @@ def connect(url: str, socket_timeout: float = 30.0, retries: int = 5) -> redis.R
         # Connections idle behind a NAT or a restarted server are checked before use, not found dead mid-read.
         health_check_interval=15,
         retry_on_timeout=True,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=2.0), retries=retries),
+        retry=OutageRetry(max_outage_s),
         decode_responses=False,
     )
+
+
+class OutageRetry(Retry):
+    """redis-py's Retry bounded by time rather than by a count of attempts (whose total time depends on luck)."""
+
+    def __init__(self, max_outage_s: float) -> None:
+        super().__init__(ExponentialWithJitterBackoff(base=0.1, cap=2.0), retries=-1)
+        self.max_outage_s = max_outage_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        deadline = time.monotonic() + self.max_outage_s
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                # redis-py's AuthenticationError is a ConnectionError, but a wrong password does not heal with time
+                if isinstance(error, redis.AuthenticationError) or (is_retryable and not is_retryable(error)):
+                    raise
+                failures += 1
+                fail(error, failures) if with_failure_count else fail(error)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if failures == 1:
+                    log.warning("Redis unreachable (%s); retrying for up to %.0f s", error, self.max_outage_s)
+                time.sleep(min(self._backoff.compute(failures), left))
 
 
 class RolloutQueue:

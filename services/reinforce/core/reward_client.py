@@ -43,6 +43,10 @@ class RewardServerError(RuntimeError):
     """The reward server could not score a batch: unreachable after retries, or the request failed."""
 
 
+class RewardFunctionError(RewardServerError):
+    """The reward function itself failed on a batch (raised, or returned the wrong count or type): not transient."""
+
+
 def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 10.0) -> float:
     """Delay before retry `attempt` (0-based): base * 2^attempt capped at cap, times a jitter in [0.5, 1)."""
     # Jitter keeps many generators that lost the same server from all coming back in the same instant.
@@ -202,7 +206,8 @@ class RewardClient:
                 elif fatal is None:
                     fatal = err
         if fatal is not None:
-            raise RewardServerError(f"reward server at {self.url}: request failed: {_describe(fatal)}") from fatal
+            error = RewardFunctionError if REWARD_FN_FAILED in str(fatal) else RewardServerError
+            raise error(f"reward server at {self.url}: request failed: {_describe(fatal)}") from fatal
         return failures
 
     def _infer(self, prompts: Sequence[str], responses: Sequence[str], lo: int, hi: int) -> np.ndarray:

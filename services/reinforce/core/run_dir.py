@@ -53,3 +53,8 @@ class RunPaths:
     @property
     def redis(self) -> Path:
         return self.root / "redis"
+
+    @property
+    def lock(self) -> Path:
+        """Held (flock) by the live supervisor of this folder, and holding its PID."""
+        return self.root / "supervisor.lock"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -18,7 +18,9 @@ class SpecError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `steps: true` is not 1 and `lr: "1e-3"` not a number (an int is still a valid float);
+    # allow_inf_nan=False: `.inf` and `.nan` are no learning rate, back-off or timeout.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class RandomInit(_Section):
@@ -145,7 +147,9 @@ class GenerationSpec(_Section):
     engine: Literal["torch"] = Field(
         "torch", description="What samples: torch (the reference sampler, float32, a KV cache in PyTorch)."
     )
-    max_new_tokens: int = Field(48, ge=1, description="Response length limit; a response that hits it did not end.")
+    max_new_tokens: int = Field(
+        48, ge=1, le=65536, description="Response length limit; a response that hits it did not end."
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use the same scaling).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: off).")
@@ -173,13 +177,37 @@ class TrainingSpec(_Section):
     )
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    # not strict: YAML has lists, not tuples (each element is still checked by _betas_in_unit_interval)
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="AdamW betas, each in [0, 1).")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    max_logprob_mismatch: float = Field(
+        0.5,
+        gt=0,
+        description="A group sampled by the very version being trained whose mean |generator log-prob - trainer "
+        "log-prob| exceeds this is refused and counted (`train_rollouts/refused_mismatched_groups`): other weights "
+        "sampled it. Float32 noise is ~1e-6, other engines' ~1e-2.",
+    )
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+
+    @field_validator("adam_betas", mode="before")
+    @classmethod
+    def _betas_are_numbers(cls, betas: Any) -> Any:
+        if isinstance(betas, list | tuple) and any(
+            isinstance(b, bool) or not isinstance(b, int | float) for b in betas
+        ):
+            raise ValueError("both betas must be numbers")
+        return betas
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
 
 
 class WeightsSpec(_Section):
@@ -191,6 +219,17 @@ class WeightsSpec(_Section):
         "from the trainer's weight endpoint. Both check the sha256 before loading.",
     )
     keep_versions: int = Field(3, ge=1, description="Published versions kept on the trainer's disk.")
+
+
+class QueueSpec(_Section):
+    """The Redis rollout queue, as its clients (trainer, generators) use it."""
+
+    max_outage_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long trainer and generators ride out Redis being unreachable (a restart, a rescheduled "
+        "pod), retrying with back-off, before they give up and exit.",
+    )
 
 
 class RestartSpec(_Section):
@@ -219,6 +258,7 @@ class RunSpec(_Section):
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    queue: QueueSpec = Field(default_factory=QueueSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
 
     @model_validator(mode="after")
@@ -231,8 +271,26 @@ class RunSpec(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _prompt_and_response_fit_a_random_policy(self) -> RunSpec:
+        # A loaded policy's limit is known only once it is read: the supervisor checks that one (check_fits_policy).
+        init = self.policy.random_init
+        if init is not None:
+            check_fits_policy(self, init.max_position_embeddings, "policy.random_init.max_position_embeddings")
+        return self
+
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")
+
+
+def check_fits_policy(spec: RunSpec, limit: int, limit_name: str = "the policy's max_position_embeddings") -> None:
+    """The longest prompt plus the longest response must fit the policy's positions, or sampling fails later."""
+    need = spec.data.max_prompt_tokens + spec.generation.max_new_tokens
+    if need > limit:
+        raise ValueError(
+            f"data.max_prompt_tokens ({spec.data.max_prompt_tokens}) + generation.max_new_tokens "
+            f"({spec.generation.max_new_tokens}) = {need} exceeds {limit_name} ({limit})"
+        )
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

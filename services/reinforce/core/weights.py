@@ -7,7 +7,11 @@ served by the trainer's WeightServer (on Kubernetes they may share no volume):
 
     trainer:    server = WeightServer(weights_dir, token=t); server.start()
                 publish(model, weights_dir, v, base_url=server.base_url(pod_ip))
-    generator:  load_verified(engine.load_weights, weights, cache_dir=local_dir, token=t)
+    generator:  sources = WeightSources(run_weights_dir, trainer_url=server_base_url)
+                load_verified(engine.load_weights, weights, sources, cache_dir=local_dir, token=t)
+
+A generator loads only from its run's own weights folder or its run's trainer endpoint (WeightSources): the
+token goes nowhere else, and no other file of the machine is ever read or hashed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import httpx
 import torch
 from safetensors.torch import load_model, save_model
 
+from reinforce.core.names import LOCAL_HOST
 from reinforce.core.records_pb2 import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,28 @@ class LoadStats:
     num_bytes: int
     fetch_seconds: float
     load_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSources:
+    """Where a run's weight versions may come from: its weights folder and its trainer's endpoint, if any.
+
+    Version v's uri must be exactly `weights_dir/vNNNNNN.safetensors` or `{trainer_url}/v1/weights/vNNNNNN.safetensors`.
+    """
+
+    weights_dir: Path
+    trainer_url: str | None = None
+
+    def check(self, weights: WeightVersion) -> None:
+        """Refuse a uri naming anything else (another host, another file), without touching it."""
+        name = weight_path(Path(), weights.version).name
+        allowed = [str(self.weights_dir.resolve() / name)]
+        if self.trainer_url:
+            allowed.append(f"{self.trainer_url.rstrip('/')}{WEIGHTS_ROUTE}{name}")
+        if weights.uri not in allowed:
+            raise WeightError(
+                f"weight version {weights.version}: uri {weights.uri!r} is not this run's (expected one of {allowed})"
+            )
 
 
 def sha256_of(path: Path) -> str:
@@ -114,15 +141,21 @@ def _prune(weights_dir: Path, keep_from: int) -> None:
 
 
 def load_verified(
-    load: Callable[[Path], None], weights: WeightVersion, cache_dir: Path | None = None, token: str | None = None
+    load: Callable[[Path], None],
+    weights: WeightVersion,
+    sources: WeightSources,
+    cache_dir: Path | None = None,
+    token: str | None = None,
 ) -> LoadStats:
     """Call `load(path)` on a published version's file, refusing it unless its sha256 matches.
 
-    `load` loads a safetensors file of the policy in place (an engine's `load_weights`, or `module_loader(model)`).
+    The uri must name one of the run's `sources` (checked first: nothing else is opened or contacted). `load`
+    loads a safetensors file of the policy in place (an engine's `load_weights`, or `module_loader(model)`).
     An http(s) uri is streamed into a temporary file in `cache_dir` (required then) while it is hashed, checked,
     loaded and deleted; `token` is sent as a bearer token. The caller swaps between batches, so a refused file
     leaves the previous version serving: `load` is called only after the digest matched.
     """
+    sources.check(weights)
     if weights.uri.startswith(("http://", "https://")):
         return _load_http(load, weights, cache_dir, token)
     return _load_file(load, weights)
@@ -141,7 +174,7 @@ def module_loader(model: torch.nn.Module) -> Callable[[Path], None]:
 
 def _load_file(load: Callable[[Path], None], weights: WeightVersion) -> LoadStats:
     path = Path(weights.uri)
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():  # a link planted in the folder must not lead elsewhere
         raise WeightError(f"weight version {weights.version}: file {path} does not exist")
     start = time.perf_counter()
     digest = sha256_of(path)
@@ -173,8 +206,8 @@ def _load_http(
 
 def _check_digest(weights: WeightVersion, source: str, digest: str) -> None:
     if digest != weights.sha256:
-        v = weights.version
-        raise WeightError(f"weight version {v}: sha256 of {source} is {digest}, expected {weights.sha256}")
+        # The digest itself is not echoed: an error message must not become a way to hash files.
+        raise WeightError(f"weight version {weights.version}: sha256 of {source} does not match the published one")
 
 
 def _load_into(load: Callable[[Path], None], weights: WeightVersion, path: Path) -> None:
@@ -264,7 +297,7 @@ class WeightServer:
     nothing about which versions exist.
     """
 
-    def __init__(self, weights_dir: Path, host: str = "0.0.0.0", port: int = 0, token: str | None = None) -> None:
+    def __init__(self, weights_dir: Path, host: str = LOCAL_HOST, port: int = 0, token: str | None = None) -> None:
         self.weights_dir = weights_dir.resolve()
         self.host = host
         self.requested_port = port

@@ -1,10 +1,13 @@
 """The generator: a pull-based worker that samples k responses per prompt, scores them and pushes the group.
 
     python -m reinforce.generator --spec RUN_DIR/spec.yaml --redis-url URL --reward-url URL --port N --id NAME
+        [--host ADDRESS] [--weights-url TRAINER_WEIGHT_ENDPOINT]
 
-Control plane (FastAPI, on --port): GET /healthz, GET /readyz, GET /metrics (Prometheus),
+Control plane (FastAPI, on --host:--port): GET /healthz, GET /readyz, GET /metrics (Prometheus),
 GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between
-batches). A prompt names the oldest weight version allowed to sample it (strictly on-policy: its step's own
+batches). A posted version is accepted only if it is the run's published one, exactly as the trainer announced it
+in Redis (version, uri and sha256): the control token lets the reconciler say "load the latest now", never
+"load this file". A prompt names the oldest weight version allowed to sample it (strictly on-policy: its step's own
 version); it waits, unacknowledged, until such a version is loaded, and a stale prompt (its step already
 trained, or enqueued by a trainer that restarted from an earlier checkpoint) is acknowledged without work.
 Every sample of a group comes from one version, which the group records.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import json
 import logging
 import math
 import os
@@ -27,22 +31,30 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from google.protobuf.json_format import ParseDict, ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV
+from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
-from reinforce.core.reward_client import RewardClient
+from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
-from reinforce.core.weights import WeightError, load_verified
+from reinforce.core.weights import WeightError, WeightSources, load_verified
 from reinforce.generator.engines import build_engine
 
 log = logging.getLogger("reinforce.generator")
+# A WeightVersion's JSON is a few hundred bytes; anything much larger is refused (413) before it is read.
+MAX_CONTROL_BODY_BYTES = 64 * 1024
+
+
+class NotPublished(ValueError):
+    """A posted weight version that is not the run's published record."""
 
 
 @dataclass
@@ -50,6 +62,7 @@ class WeightState:
     """What the control plane and the worker loop share, under one lock."""
 
     loaded: int = 0
+    loaded_sha256: str = ""  # with `loaded`, what identifies the loaded weights ("": the initial policy)
     loads: int = 0  # versions loaded since the process started
     desired: WeightVersion | None = None
     last_error: str = ""
@@ -57,17 +70,27 @@ class WeightState:
 
 
 class Generator:
-    def __init__(self, spec: RunSpec, redis_url: str, reward_url: str, name: str, token: str = "") -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        redis_url: str,
+        reward_url: str,
+        name: str,
+        token: str = "",
+        weights_url: str | None = None,
+    ) -> None:
         self.spec = spec
         self.name = name
         self.token = token  # also the trainer's weight endpoint's (weights.transport http)
         paths = RunPaths(spec.resolved_run_dir())
+        # Weights come from the run's folder or its trainer's endpoint, nowhere else (the token goes only there).
+        self.sources = WeightSources(paths.weights, weights_url)
         # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns)
         materialize_policy(spec.policy, paths.initial_policy, spec.seed)
         self.engine = build_engine(spec.generation, paths.initial_policy, spec.algorithm.num_rollouts_per_prompt)
         log.info("generation engine: %s", self.engine.name)
         self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads
-        self.queue = RolloutQueue(connect(redis_url), spec.name)
+        self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
         self.queue.ensure_groups()
         self.reward = RewardClient.from_spec(reward_url, spec.reward)
         self.weights = WeightState()
@@ -77,7 +100,18 @@ class Generator:
 
     # ---- weights -----------------------------------------------------------------------------------
     def request_weights(self, weights: WeightVersion) -> None:
-        # The latest request wins, older or newer: a trainer resumed from a checkpoint rolls the version back.
+        """Accept `weights` if it is the run's published version, exactly; raise NotPublished otherwise.
+
+        The latest request wins, older or newer: a trainer resumed from a checkpoint rolls the version back.
+        The reconciler posts what it read from Redis; should the trainer publish again in between, this
+        refusal is answered by the reconciler's next pass with the newer version.
+        """
+        published = self.queue.latest_weights()
+        if published is None or not _same_record(weights, published):
+            raise NotPublished(
+                f"weight version {weights.version} ({weights.uri}) is not the run's published weight version "
+                f"({'none yet' if published is None else published.version})"
+            )
         with self.weights.lock:
             self.weights.desired = weights
 
@@ -85,11 +119,13 @@ class Generator:
         """Between batches: load the desired version if it differs; a bad file leaves the old one serving."""
         with self.weights.lock:
             desired = self.weights.desired
-            if desired is None or desired.version == self.weights.loaded:
+            if desired is None or self._is_loaded(desired):
                 return
         start = time.perf_counter()
         try:
-            stats = load_verified(self.engine.load_weights, desired, cache_dir=self.weight_cache, token=self.token)
+            stats = load_verified(
+                self.engine.load_weights, desired, self.sources, cache_dir=self.weight_cache, token=self.token
+            )
         except WeightError as err:
             log.error("refusing weights: %s", err)
             with self.weights.lock:
@@ -102,9 +138,16 @@ class Generator:
         self.metrics.weight_version.set(desired.version)
         with self.weights.lock:
             self.weights.loaded = desired.version
+            self.weights.loaded_sha256 = desired.sha256
             self.weights.loads += 1
             self.weights.last_error = ""
         log.info("loaded weight version %d in %.2fs", desired.version, time.perf_counter() - start)
+
+    def _is_loaded(self, weights: WeightVersion) -> bool:
+        """By version and digest, not by version alone: another file claiming the loaded number is not it."""
+        if not self.weights.loaded_sha256:  # the initial policy, version 0 by definition
+            return weights.version == 0
+        return (weights.version, weights.sha256) == (self.weights.loaded, self.weights.loaded_sha256)
 
     # ---- work loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -162,7 +205,7 @@ class Generator:
         generate_seconds = time.perf_counter() - start
         start = time.perf_counter()
         texts = [s.text for seqs in sampled for s in seqs]
-        rewards = self.reward.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
+        rewards = self.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
         reward_seconds = time.perf_counter() - start
         rewards_iter = iter(rewards)
         for (entry_id, prompt), seqs in zip(entries, sampled, strict=True):
@@ -190,6 +233,20 @@ class Generator:
             self.queue.put_rollout(group)
             self.queue.ack_prompts([entry_id])  # the group is on the stream: the prompt's work is durable
         self.count(sampled, rewards, generate_seconds, reward_seconds)
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """The rewards; NaN for every row of a batch the reward function failed on.
+
+        A failing reward function (it raised, or returned the wrong count or type) is a bug in user code that
+        retrying cannot fix; NaN makes the trainer drop those samples (counted) and the run go on, while the
+        error is logged here and counted. An unreachable server still raises: this generator restarts.
+        """
+        try:
+            return self.reward.score(prompts, responses)
+        except RewardFunctionError as err:
+            log.error("reward function failed on %d responses; they get no reward (NaN): %s", len(responses), err)
+            self.metrics.reward_failures.inc(len(responses))
+            return [math.nan] * len(responses)
 
     def count(self, sampled: list, rewards: list[float], generate_s: float, reward_s: float) -> None:
         sequences = [s for seqs in sampled for s in seqs]
@@ -236,17 +293,45 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
                 "last_error": gen.weights.last_error,
             }
 
+    # The body is read by hand, after `authorized` ran (FastAPI would parse a declared body parameter first),
+    # and at most MAX_CONTROL_BODY_BYTES of it: no unauthenticated or oversized body is ever held in memory.
     @app.post("/v1/weights", status_code=202, dependencies=[Depends(authorized)])
-    def post_weights(body: dict, response: Response) -> dict:
+    async def post_weights(request: Request) -> Response:
+        body = await _read_capped(request, MAX_CONTROL_BODY_BYTES)
+        if body is None:
+            return _error(413, f"a WeightVersion body is at most {MAX_CONTROL_BODY_BYTES} bytes")
         try:
-            weights = ParseDict(body, WeightVersion())
-        except ParseError as err:
-            response.status_code = 422
-            return {"error": f"not a WeightVersion: {err}"}
-        gen.request_weights(weights)
-        return {"accepted_version": weights.version}
+            weights = ParseDict(json.loads(body), WeightVersion())
+        except (ParseError, ValueError, TypeError, AttributeError) as err:  # ParseDict raises these for non-objects
+            return _error(422, f"not a WeightVersion: {err}")
+        try:
+            await run_in_threadpool(gen.request_weights, weights)  # reads Redis: off the event loop
+        except NotPublished as err:
+            return _error(409, str(err))
+        return JSONResponse({"accepted_version": weights.version}, status_code=202)
 
     return app
+
+
+async def _read_capped(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is known to exceed `limit` bytes (declared or sent)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _same_record(a: WeightVersion, b: WeightVersion) -> bool:
+    return (a.version, a.uri, a.sha256) == (b.version, b.uri, b.sha256)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
     add_redis_url_argument(parser)
     parser.add_argument("--reward-url", required=True, help="Triton HTTP address of the reward server")
     parser.add_argument("--port", type=int, required=True, help="control plane port")
+    parser.add_argument("--host", default=LOCAL_HOST, help=f"control plane address (default {LOCAL_HOST})")
+    parser.add_argument(
+        "--weights-url", help="the run's trainer weight endpoint, http://HOST:PORT (weights.transport http)"
+    )
     parser.add_argument("--id", required=True, help="consumer name in the prompts stream's group")
     args = parser.parse_args(argv)
     token = os.environ.get(CONTROL_TOKEN_ENV)
@@ -262,8 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
-    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, token)
-    config = uvicorn.Config(control_plane(gen, token), host="0.0.0.0", port=args.port, log_level="warning")
+    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, token, args.weights_url)
+    config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: gen.stopping.set())

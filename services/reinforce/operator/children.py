@@ -10,6 +10,13 @@ For a run R in namespace N:
 - Deployment ``R-generator``: ``generation.num_generators`` replicas.
 - StatefulSet + headless Service ``R-trainer``: one pod per ``training.num_ranks``; torchrun's rendezvous is
   pod 0 through that Service.
+- NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods and the operator on any
+  port, and from anywhere on their metrics ports only (Prometheus); nothing else reaches Redis or the trainer.
+
+Every pod passes the "restricted" Pod Security Standard (non-root, no privilege escalation, no capabilities,
+RuntimeDefault seccomp) and mounts no service account token: no service of a run calls the Kubernetes API. The
+host-network profile cannot pass it (hostNetwork is what "baseline" already forbids) and keeps root-free images'
+defaults only: it is for a single-node test cluster.
 
 Every object carries the run's labels and an ownerReference to the run (controller), so deleting the run
 deletes them. These builders are pure functions of the run: the operator's reconcile is "apply them all".
@@ -25,11 +32,14 @@ from pydantic import Field, field_validator
 
 from reinforce.core import launch
 from reinforce.core.names import (
+    ANY_HOST,
     COMPONENTS,
     CONTROL_TOKEN_ENV,
     HEALTH_PATH,
     K8S_COMPONENT_LABEL,
     K8S_INSTANCE_LABEL,
+    K8S_NAME_LABEL,
+    OPERATOR_APP_NAME,
     POD_NAME_ENV,
     REDIS_URL_ENV,
     REWARD_LIVE_PATH,
@@ -42,6 +52,23 @@ DATA_DIR = "/data"
 RUN_DIR = f"{DATA_DIR}/run"
 SPEC_FILE = f"{SPEC_DIR}/spec.yaml"
 REDIS_URL_KEY = "url"  # the key of the Secret holding a redis:// URL (the run's own or an external one)
+REDIS_CONFIG_DIR = "/run/redis"  # an in-memory emptyDir: the config file holding Redis' password
+# The images' user (services/reinforce/core/Dockerfile); also the group that owns the volumes (fsGroup).
+RUN_AS_USER = 1000
+# "restricted": https://kubernetes.io/docs/concepts/security/pod-security-standards/
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_USER,
+    "runAsGroup": RUN_AS_USER,
+    "fsGroup": RUN_AS_USER,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 class Ports(_Section):
@@ -109,7 +136,7 @@ class Run:
     @property
     def labels(self) -> dict[str, str]:
         return {
-            "app.kubernetes.io/name": "reinforce",
+            K8S_NAME_LABEL: "reinforce",
             K8S_INSTANCE_LABEL: self.name,
             "app.kubernetes.io/managed-by": "reinforce-operator",
         }
@@ -151,7 +178,7 @@ def children(run: Run) -> list[dict[str, Any]]:
     if run.spec.kubernetes.external_redis_secret is None:
         objects += [redis_volume(run), redis_service(run), redis_stateful_set(run)]
     objects += [reward_service(run), reward_deployment(run), generator_deployment(run)]
-    objects += [trainer_service(run), trainer_stateful_set(run)]
+    objects += [trainer_service(run), trainer_stateful_set(run), network_policy(run)]
     return objects
 
 
@@ -259,15 +286,19 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
         "command": command,
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()],
         "resources": resources,
+        **({} if run.host_network else {"securityContext": CONTAINER_SECURITY_CONTEXT}),
         **extra,
     }
 
 
 def _pod_template(run: Run, component: str, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
     settings = pod_settings(run, component)
-    spec: dict[str, Any] = {"containers": containers, "volumes": volumes}
+    # No service of a run calls the Kubernetes API: no token to steal from its pods.
+    spec: dict[str, Any] = {"containers": containers, "volumes": volumes, "automountServiceAccountToken": False}
     if run.host_network:
         spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+    else:
+        spec["securityContext"] = POD_SECURITY_CONTEXT
     if settings.node_selector:
         spec["nodeSelector"] = settings.node_selector
     if settings.tolerations:
@@ -291,7 +322,8 @@ def _http_probe(path: str, port: int, period_s: int = 5) -> dict[str, Any]:
 
 
 def _python_service(service: launch.Service, **flags: object) -> list[str]:
-    return service.command("python", SPEC_FILE, **flags)
+    # Services bind loopback unless told otherwise; a pod's must answer its Service (and, host-network, the node).
+    return service.command("python", SPEC_FILE, **flags, host=ANY_HOST)
 
 
 def redis_service(run: Run) -> dict[str, Any]:
@@ -300,18 +332,19 @@ def redis_service(run: Run) -> dict[str, Any]:
 
 def redis_stateful_set(run: Run) -> dict[str, Any]:
     port = run.config.ports.redis
-    # Append-only file fsynced on every write: a Redis restart loses nothing acknowledged.
-    args = f"--port {port} --dir {DATA_DIR} --appendonly yes --appendfsync always --save '' --requirepass"
-    command = ["sh", "-c", f'exec redis-server {args} "$REDIS_PASSWORD"']
+    command = ["sh", "-c", launch.redis_shell_command(port, DATA_DIR, REDIS_CONFIG_DIR, "REDIS_PASSWORD")]
     env = [_env_from_secret("REDIS_PASSWORD", run.child("secrets"), "redis-password")]
     container = _container(
         run, "redis", command, {"redis": port},
         env=env,
-        volumeMounts=[{"name": "data", "mountPath": DATA_DIR}],
+        volumeMounts=[{"name": "data", "mountPath": DATA_DIR}, {"name": "config", "mountPath": REDIS_CONFIG_DIR}],
         readinessProbe={"tcpSocket": {"port": port}, "periodSeconds": 5},
     )  # fmt: skip
-    volume = {"name": "data", "persistentVolumeClaim": {"claimName": run.child("redis-data")}}
-    return _stateful_set(run, "redis", 1, _pod_template(run, "redis", [container], [volume]))
+    volumes = [
+        {"name": "data", "persistentVolumeClaim": {"claimName": run.child("redis-data")}},
+        {"name": "config", "emptyDir": {"medium": "Memory"}},  # the password never reaches a disk
+    ]
+    return _stateful_set(run, "redis", 1, _pod_template(run, "redis", [container], volumes))
 
 
 def reward_service(run: Run) -> dict[str, Any]:
@@ -338,12 +371,15 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     """A Deployment; in the host-network profile a StatefulSet, whose pod ordinal i gives the port base + i."""
     p = run.config.ports
     reward_url = f"http://{run.host('reward')}:{p.reward_http}"
+    weights_url = launch.weights_url(trainer_pod_address(run, 0), p.trainer_weights)
     volume, mount = _spec_volume(run)
     volumes = [volume, {"name": "cache", "emptyDir": {}}]
     mounts = [mount, {"name": "cache", "mountPath": DATA_DIR}]
     replicas = run.spec.generation.num_generators
     if not run.host_network:
-        command = _python_service(launch.GENERATOR, reward_url=reward_url, port=p.generator, id=f"$({POD_NAME_ENV})")
+        command = _python_service(
+            launch.GENERATOR, reward_url=reward_url, port=p.generator, id=f"$({POD_NAME_ENV})", weights_url=weights_url
+        )
         container = _container(
             run, "generator", command, {"control": p.generator},
             env=_service_env(run),
@@ -353,7 +389,9 @@ def generator_deployment(run: Run) -> dict[str, Any]:
         )  # fmt: skip
         return _deployment(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
     port = f"$(({p.generator} + ${{POD_NAME##*-}}))"
-    generator = _python_service(launch.GENERATOR, reward_url=reward_url, port=port, id=f"${POD_NAME_ENV}")
+    generator = _python_service(
+        launch.GENERATOR, reward_url=reward_url, port=port, id=f"${POD_NAME_ENV}", weights_url=weights_url
+    )
     probe = {
         "exec": {
             "command": ["python", "-c", _READY_BY_ORDINAL.format(base=p.generator, path=launch.GENERATOR.ready_path)]
@@ -457,3 +495,30 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
     return _stateful_set(
         run, "trainer", run.spec.training.num_ranks, _pod_template(run, "trainer", [container], volumes)
     )
+
+
+def metrics_ports(run: Run) -> list[int]:
+    """The ports Prometheus scrapes (a generator's control plane serves its /metrics)."""
+    p = run.config.ports
+    return [p.reward_metrics, p.generator, p.trainer_metrics]
+
+
+def network_policy(run: Run) -> dict[str, Any]:
+    """Who may connect to the run's pods: the run's own pods and the operator (any namespace) on every port,
+    anyone on the metrics ports. Prometheus may run anywhere, hence no selector there; the generator's control
+    port is among them, and its weight endpoints still demand the control token."""
+    own_pods = {K8S_NAME_LABEL: run.labels[K8S_NAME_LABEL], K8S_INSTANCE_LABEL: run.name}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {K8S_NAME_LABEL: OPERATOR_APP_NAME}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": run.metadata(run.child("network")),
+        "spec": {
+            "podSelector": {"matchLabels": own_pods},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": own_pods}}, operator]},
+                {"ports": [{"port": port, "protocol": "TCP"} for port in metrics_ports(run)]},
+            ],
+        },
+    }

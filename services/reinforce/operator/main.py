@@ -70,6 +70,7 @@ _KINDS = {
     "PersistentVolumeClaim": (client.CoreV1Api, "persistent_volume_claim"),
     "Deployment": (client.AppsV1Api, "deployment"),
     "StatefulSet": (client.AppsV1Api, "stateful_set"),
+    "NetworkPolicy": (client.NetworkingV1Api, "network_policy"),
 }
 HTTP_TIMEOUT_S = 2.0
 STATUS_INTERVAL_S = 2.0  # how often each run's pods and trainer are looked at and its status written

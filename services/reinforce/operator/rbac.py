@@ -22,6 +22,7 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     # children, applied with server-side apply (which creates what does not exist yet)
     {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "create", "patch"]},
     # created once; secrets are read back for the Redis URL and the generators' control token
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]},

@@ -1,6 +1,7 @@
 """Reward server: the spec's reward function served by a real Triton server (PyTriton) as model `reward`.
 
     python -m reinforce.reward --spec SPEC.yaml [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+        [--host 127.0.0.1]
 
 Model `reward`: inputs `prompt` and `response` (BYTES, shape (1,) per row), output `reward` (FP32, shape
 (1,)), Triton's dynamic batcher with the spec's `max_batch_size` and `max_queue_delay_us`. Once the model
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from reinforce.core.names import (
+    LOCAL_HOST,
     REWARD_FN_FAILED,
     REWARD_INPUT_PROMPT,
     REWARD_INPUT_RESPONSE,
@@ -111,7 +113,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port.")
     parser.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port.")
     parser.add_argument("--metrics-port", type=int, default=8002, help="Triton Prometheus metrics port.")
-    parser.add_argument("--address", default="0.0.0.0", help="Address Triton binds HTTP, gRPC and metrics to.")
+    parser.add_argument(
+        "--host", default=LOCAL_HOST, help=f"Address Triton binds HTTP, gRPC and metrics to (default {LOCAL_HOST})."
+    )
     parser.add_argument("--log-level", default="INFO", help="Python log level.")
     return parser.parse_args(argv)
 
@@ -121,11 +125,11 @@ def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> 
     from pytriton.triton import Triton, TritonConfig
 
     config = TritonConfig(
-        http_address=args.address,
+        http_address=args.host,
         http_port=args.http_port,
-        grpc_address=args.address,
+        grpc_address=args.host,
         grpc_port=args.grpc_port,
-        metrics_address=args.address,
+        metrics_address=args.host,
         metrics_port=args.metrics_port,
         # Let in-flight requests finish on SIGTERM, but not long enough to outlive a pod's grace period.
         exit_timeout_secs=5,
@@ -150,7 +154,7 @@ def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> 
 
 def serve(spec: RewardSpec, args: argparse.Namespace) -> int:
     reward_fn = build_reward_fn(spec)
-    check_ports_free(args.address, [args.http_port, args.grpc_port, args.metrics_port])
+    check_ports_free(args.host, [args.http_port, args.grpc_port, args.metrics_port])
     ensure_libpython_on_ld_path()
     stop = threading.Event()
     # The handler only sets a flag: stopping Triton from inside a signal handler would re-enter its locks.

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import redis
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from reinforce.core import launch
 from reinforce.core.data import DataError, read_prompt_file
@@ -36,12 +37,14 @@ from reinforce.core.names import (
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
     CONTROL_TOKEN_ENV,
+    LOCAL_HOST,
     REDIS_URL_ENV,
 )
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
-from reinforce.core.spec import RunSpec, SpecError, dump_spec, load_spec
+from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
+from reinforce.supervisor.lock import RunFolderBusy, RunLock
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
@@ -80,7 +83,10 @@ class Component:
         return self.process.poll() if self.process else None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, then after `grace_s` SIGKILL to the whole process group (Triton runs as a grandchild)."""
+        """SIGTERM, then after `grace_s` SIGKILL to the whole process group (Triton runs as a grandchild).
+
+        Idempotent: a stopped component has no process (and no process group) left to signal.
+        """
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -90,6 +96,7 @@ class Component:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        self.process = None
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -135,6 +142,8 @@ class Supervisor:
         self.components: list[Component] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.scrape_targets: list[dict] = []
+        # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
+        self.weights_port = free_port() if spec.weights.transport == "http" else None
 
     def component(self, name: str, argv: list[str]) -> Component:
         c = Component(name, argv, self.paths.logs / f"{name}.log")
@@ -158,7 +167,8 @@ class Supervisor:
     def trainer_argv(self) -> list[str]:
         metrics_port = free_port()
         self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
-        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port)
+        weights = {"weights_port": self.weights_port} if self.weights_port else {}
+        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port, **weights)
         ranks = self.spec.training.num_ranks
         if ranks == 1:
             return argv
@@ -199,7 +209,9 @@ class Supervisor:
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
             self.add_scrape_target(COMPONENT_GENERATOR, name, port)
-            self.component(name, self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name))
+            weights = {"weights_url": launch.weights_url(LOCAL_HOST, self.weights_port)} if self.weights_port else {}
+            argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
+            self.component(name, argv)
             urls[name] = f"http://127.0.0.1:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(url + launch.GENERATOR.ready_path))
@@ -223,9 +235,10 @@ class Supervisor:
         reward_url = self.start_reward()
         generator_urls = self.start_generators(reward_url)
         trainer = self.component("trainer", self.trainer_argv())
-        reconciler = WeightReconciler(
-            RolloutQueue(connect(self.env[REDIS_URL_ENV]), self.spec.name), generator_urls, self.env[CONTROL_TOKEN_ENV]
-        )
+        # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
+        # the supervisor's loop must not stall while it restarts Redis itself.
+        queue = RolloutQueue(connect(self.env[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
+        reconciler = WeightReconciler(queue, generator_urls, self.env[CONTROL_TOKEN_ENV])
         try:
             self.watch(trainer, reconciler)
         finally:
@@ -268,9 +281,13 @@ class Supervisor:
         )
 
     def stop(self) -> None:
-        # trainer first (it checkpoints), then generators, reward server, Redis last
+        # trainer first (it checkpoints), then generators, reward server, Redis last; one that cannot be stopped
+        # cleanly must not keep the others running
         for c in reversed(self.components):
-            c.stop()
+            try:
+                c.stop()
+            except Exception:
+                log.exception("stopping component %s failed; stopping the others", c.name)
         # A stopped run has nothing to scrape (and no alert should report its processes as down).
         self.scrape_targets.clear()
         self.write_scrape_targets()
@@ -319,19 +336,36 @@ class Progress:
         self.bar.close()
 
 
-def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> RunPaths:
+def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> tuple[RunPaths, RunLock]:
+    """The run folder, locked for this supervisor before anything in it is read, deleted or written."""
     paths = RunPaths(spec.resolved_run_dir())
+    try:
+        lock = RunLock(paths.lock)
+    except RunFolderBusy as err:
+        raise RunFailed(str(err)) from None
     started = paths.metrics.exists() or paths.checkpoints.exists()
     if started and overwrite:
-        shutil.rmtree(paths.root)
+        _empty_folder(paths.root, keep=paths.lock)
     elif started and not resume:
+        lock.release()
         raise RunFailed(
             f"run folder {paths.root} already holds a run: pass --resume to continue it or --overwrite to start over"
         )
     if not resume:
         shutil.rmtree(paths.redis, ignore_errors=True)  # a fresh run starts from an empty queue
     paths.root.mkdir(parents=True, exist_ok=True)
-    return paths
+    return paths, lock
+
+
+def _empty_folder(folder: Path, keep: Path) -> None:
+    """Delete what `folder` holds except `keep` (the held lock: deleting it would let another supervisor in)."""
+    for entry in folder.iterdir():
+        if entry == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -355,27 +389,55 @@ def _run(args: argparse.Namespace) -> int:
         read_prompt_file(spec.data.prompts, spec.data.on_bad_line)  # a bad prompt file fails now, naming file:line
     except DataError as err:
         raise SpecError(f"{spec_file}: data.prompts: {err}") from None
-    paths = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)
+    paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
     paths.spec.write_text(dump_spec(spec))
     print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
+    _check_fits_policy(spec, spec_file, paths.initial_policy)
     supervisor = Supervisor(spec)
-    # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    signals = _Signals()
     try:
         supervisor.run()
     except KeyboardInterrupt:
         print("interrupted: stopping every component", file=sys.stderr)
         return 130
     finally:
+        signals.stopping = True  # from here on a signal cannot interrupt the shutdown, however many come
         supervisor.stop()
     _print_summary(paths)
     return 0
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
+def _check_fits_policy(spec: RunSpec, spec_file: Path, policy_dir: Path) -> None:
+    """Prompt + response must fit the policy's positions: said now, naming the fields, not by a generator later."""
+    limit = getattr(AutoConfig.from_pretrained(policy_dir), "max_position_embeddings", None)
+    if limit is None:  # a model family without absolute positions has no such limit
+        return
+    try:
+        check_fits_policy(spec, limit)
+    except ValueError as err:
+        raise SpecError(f"{spec_file}: {err}") from None
+
+
+class _Signals:
+    """SIGINT and SIGTERM: the first interrupts the run; once the shutdown has begun, they only say so.
+
+    A KeyboardInterrupt raised inside supervisor.stop() would leave every component not yet stopped running,
+    in its own session, forever.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored, and Python keeps it so.
+        signal.signal(signal.SIGTERM, self.handle)
+        signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, _signum: int, _frame: object) -> None:
+        if self.stopping:
+            print("already stopping every component; please wait", file=sys.stderr)
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
 
 
 def _print_summary(paths: RunPaths) -> None:

@@ -10,7 +10,6 @@ checkpoints/step-000010/
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from reinforce.core.durable import fsync_tree, replace_durably
 from reinforce.trainer.backends.base import TrainerBackend
 
 _PREFIX = "step-"
@@ -43,8 +43,9 @@ def save_checkpoint(
     backend.save_state(tmp)
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
+    fsync_tree(tmp)  # the data on disk before the name that promises it is complete
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    replace_durably(tmp, final)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -1,6 +1,6 @@
 """The trainer: feeds prompts, consumes rollout groups, applies REINFORCE (RLOO + KL), publishes weights.
 
-    python -m reinforce.trainer --spec RUN_DIR/spec.yaml --redis-url redis://... [--metrics-port N]
+    python -m reinforce.trainer --spec RUN_DIR/spec.yaml --redis-url redis://... [--metrics-port N] [--host ADDRESS]
 
 Strictly on-policy (max_policy_lag 0): the prompts of step s are sampled with weight version s, and the
 trainer publishes version s + 1 before it enqueues the prompts of step s + 1.
@@ -21,9 +21,10 @@ import torch
 from prometheus_client import start_http_server
 
 from reinforce.core.data import PromptCursor, read_prompt_file
+from reinforce.core.durable import write_text_atomically
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import load_tokenizer, materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV
+from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths
@@ -44,6 +45,7 @@ SUMMED_METRICS = {
     "train_optim/loss",
     "train_rollouts/dropped_nonfinite_rewards",
     "train_rollouts/dropped_stale_groups",
+    "train_rollouts/refused_mismatched_groups",
     "timers/generate",
     "timers/reward",
     "data/truncated_prompts",
@@ -75,7 +77,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
         self.backend = build_backend(spec.training, self.paths.initial_policy, self.ranks)
         self.algorithm = build_algorithm(spec, self.ranks)
-        self.queue = RolloutQueue(connect(redis_url), spec.name)
+        self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
         self.queue.ensure_groups()
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
         prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts
@@ -106,6 +108,7 @@ class Trainer:
         if self.ranks.is_main:
             _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
             _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
+            self.metrics.reopen()  # it appended to the file that the rewrite replaced
 
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
@@ -126,9 +129,9 @@ class Trainer:
         if self.step == self.spec.training.steps and self.ranks.is_main:
             self.finish()
 
-    def serve_weights(self, port: int, advertise_host: str, token: str | None) -> None:
+    def serve_weights(self, host: str, port: int, advertise_host: str, token: str | None) -> None:
         """weights.transport http: generators stream each version from this trainer's weight endpoint."""
-        self.weight_server = WeightServer(self.paths.weights, port=port, token=token)
+        self.weight_server = WeightServer(self.paths.weights, host=host, port=port, token=token)
         self.weight_server.start()
         self.weights_base_url = self.weight_server.base_url(advertise_host)
         log.info("serving weights at %s", self.weights_base_url)
@@ -236,8 +239,8 @@ def _truncate_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop the rows of steps after the checkpoint: those steps are redone after a resume."""
     if path.exists():
         rows = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
-        # In place, not by rename: the metrics writer already holds the file open for appending.
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # By rename, so that a crash mid-rewrite cannot lose the rows kept (the metrics writer then reopens it).
+        write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _mean(values: list[float] | list[int]) -> float:
@@ -249,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
     add_redis_url_argument(parser)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
+    parser.add_argument(
+        "--host", default=LOCAL_HOST, help=f"address of the metrics and weight endpoints (default {LOCAL_HOST})"
+    )
     parser.add_argument("--weights-port", type=int, default=0, help="weights.transport http: port (0: any free)")
     parser.add_argument(
         "--advertise-host", default="127.0.0.1", help="host generators use to reach the weight endpoint"
@@ -265,9 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     spec = load_spec(args.spec)
     trainer = Trainer(spec, args.redis_url, ranks)
     if spec.weights.transport == "http" and ranks.is_main:
-        trainer.serve_weights(args.weights_port, args.advertise_host, os.environ.get(CONTROL_TOKEN_ENV))
+        trainer.serve_weights(args.host, args.weights_port, args.advertise_host, os.environ.get(CONTROL_TOKEN_ENV))
     if args.metrics_port and ranks.is_main:
-        start_http_server(args.metrics_port, registry=trainer.metrics.registry)
+        start_http_server(args.metrics_port, addr=args.host, registry=trainer.metrics.registry)
 
     terminated = threading.Event()
 

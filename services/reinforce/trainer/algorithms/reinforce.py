@@ -117,6 +117,16 @@ def policy_gradient_loss(
     return -torch.where(mask.bool(), per_token, 0.0).sum() / max(num_tokens, 1)
 
 
+def mismatched_groups(
+    behaviour: Tensor, logprobs: Tensor, mask: Tensor, same_version: Tensor, k: int, limit: float
+) -> Tensor:
+    """[G] bool: groups sampled by the version being trained whose mean |mu - pi| over a sample's tokens exceeds
+    `limit` for any sample. Same weights give the same log-probs up to float noise, so such a group was sampled by
+    other weights (a forged or corrupted version) and must not be trained on."""
+    gap = masked_mean((behaviour - logprobs.detach()).abs(), mask)  # [B]
+    return (gap.view(-1, k) > limit).any(-1) & same_version.view(-1, k).all(-1)
+
+
 class Reinforce(Algorithm):
     """One pass over the step's groups, micro-batched by whole groups (RLOO needs them): the formulas above."""
 
@@ -128,7 +138,7 @@ class Reinforce(Algorithm):
         backend.zero_grad()
         num_tokens = self.ranks.sum(batch.num_tokens)  # N: the token count of every rank's batch
         kl_all, rwk_all, adv_all = [], [], []
-        loss_total, ref_seconds = 0.0, 0.0
+        loss_total, ref_seconds, refused_groups = 0.0, 0.0, 0
         mismatch, weights = TokenStats(), TokenStats()
         train_start = time.perf_counter()
         for start in range(0, len(batch.groups), t.micro_batch_prompts):
@@ -142,8 +152,14 @@ class Reinforce(Algorithm):
             kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
             rewards = batch.rewards[rows]
             adv = rloo_advantages(rewards, kl.view(rewards.shape), batch.is_end[rows], alg.initial_policy_kl_penalty)
-            loss_mask = mask * batch.keep[rows].reshape(-1, 1)
             behaviour = generator_logprobs(groups, like=logprobs)
+            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
+            refused = mismatched_groups(
+                behaviour, logprobs, mask, same_version, rewards.shape[1], t.max_logprob_mismatch
+            )
+            refused_groups += int(refused.sum())
+            kept = batch.keep[rows] & ~refused.unsqueeze(-1)
+            loss_mask = mask * kept.reshape(-1, 1)
             rho = None
             if alg.max_policy_lag > 0:
                 rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
@@ -152,7 +168,6 @@ class Reinforce(Algorithm):
             loss.backward()
             loss_total += loss.item()
             # train/inference mismatch: only where the generator had the very weights being trained
-            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
             mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
             kl_all.append(adv.kl)
             rwk_all.append(adv.rewards_with_kl)
@@ -164,6 +179,7 @@ class Reinforce(Algorithm):
             "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
             "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
             "train_rollouts/logprob_mismatch": mismatch.mean(),
+            "train_rollouts/refused_mismatched_groups": float(refused_groups),
             "train_rollouts/importance_weight_mean": weights.mean(),
             "train_rollouts/importance_weight_max": weights.max,
             "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),

@@ -1,0 +1,88 @@
+"""A live `reinforce run` of the tiny example: it listens on loopback only, owns its run folder, and any number of
+signals stop every process it started (issue #13, findings 4, 5 and 6)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from runs import reinforce, start, wait_for_step, write_spec
+
+from reinforce.core.run_dir import RunPaths
+from reinforce.supervisor.lock import RunFolderBusy, RunLock
+
+pytestmark = pytest.mark.slow
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # gRPC binds IPv4 loopback as mapped IPv6
+
+
+def listening(processes: list[psutil.Process]) -> set[tuple[str, str, int]]:
+    """(process name, address, port) of every listening TCP socket of `processes`."""
+    found = set()
+    for p in processes:
+        for conn in p.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                found.add((p.name(), conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+def test_a_live_run_listens_on_loopback_owns_its_folder_and_two_signals_stop_everything(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, training={"steps": 200, "checkpoint_every": 100})
+    proc = start("run", str(spec))
+    run_dir = tmp_path / "run"
+    try:
+        wait_for_step(proc, run_dir, 1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = {p.name() for p in children}
+        assert {"redis-server", "tritonserver"} <= names, names
+
+        # finding 4: redis, Triton (HTTP, gRPC, metrics), generators and the trainer: loopback only
+        sockets = listening(children)
+        assert len(sockets) >= 6, sockets
+        assert {addr for _, addr, _ in sockets} <= LOOPBACK, sockets
+
+        # finding 6: a second supervisor on the same folder is refused, naming the live one, and deletes nothing
+        for args in (["--resume", str(run_dir)], [str(spec), "--overwrite"]):
+            refused = reinforce("run", *args, timeout=120)
+            assert refused.returncode == 1 and f"PID {proc.pid}" in refused.stderr, refused.stderr[-2000:]
+        assert RunPaths(run_dir).metrics.exists() and RunPaths(run_dir).initial_policy.is_dir()
+
+        # finding 5: Ctrl-C, then Ctrl-C and SIGTERM again while the shutdown is under way
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 130, stderr[-2000:]
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert alive == [], f"still running after the supervisor exited: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in psutil.Process().children(recursive=True):  # only what this test started
+            child.kill()
+
+
+def test_a_lock_left_by_a_dead_supervisor_is_taken_over(tmp_path: Path) -> None:
+    lock_file = tmp_path / "run" / "supervisor.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from reinforce.supervisor.lock import RunLock; RunLock(__import__('pathlib').Path("
+         f"{str(lock_file)!r})); print('held', flush=True); __import__('time').sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderBusy, match=f"PID {holder.pid}"):
+            RunLock(lock_file)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_file.read_text().strip() == str(holder.pid)  # the dead holder's PID is still written there
+    lock = RunLock(lock_file)
+    assert lock_file.read_text().strip() == str(psutil.Process().pid)
+    lock.release()
