@@ -53,3 +53,13 @@ class RunPaths:
     @property
     def redis(self) -> Path:
         return self.root / "redis"
+
+    @property
+    def validation(self) -> Path:
+        """validation/step-NNNNNN.jsonl: a few validation responses of each evaluation."""
+        return self.root / "validation"
+
+    @property
+    def trackers(self) -> Path:
+        """Experiment trackers' folders: tensorboard/, wandb/, mlruns/ (logging.trackers)."""
+        return self.root

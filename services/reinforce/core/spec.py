@@ -96,7 +96,20 @@ class DataSpec(_Section):
 
     prompts: str = Field(
         ...,
-        description="Prompt file: JSON lines with a `prompt` field, or plain text with one prompt per line.",
+        description="Prompts: JSON lines (.jsonl), plain text with one prompt per line (.txt), Parquet (.parquet, "
+        "veRL's format) or a Hugging Face `datasets` folder saved with save_to_disk. In JSON lines, Parquet and "
+        "datasets the column `prompt_field` holds a string or a chat message list ([{role, content}, ...]).",
+    )
+    validation_prompts: str | None = Field(
+        None,
+        description="Validation prompts, in the formats of `prompts`: evaluated (never trained on) at the start, "
+        "every training.val_every steps and at the end (section `validation`). None: no validation.",
+    )
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="JSON lines, Parquet, datasets: the field/column holding the prompt. A chat message list "
+        "gives its last user message as the prompt and its system message as the system prompt.",
     )
     chat_template: bool = Field(True, description="Wrap each prompt in the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message for the chat template (None: none).")
@@ -180,6 +193,36 @@ class TrainingSpec(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    val_every: int = Field(
+        0,
+        ge=0,
+        description="With data.validation_prompts: evaluate every this many steps, and always at the start and "
+        "the end (0: only at the start and the end).",
+    )
+
+
+class ValidationSpec(_Section):
+    """Evaluation on data.validation_prompts through the same generators and reward server; never trained on."""
+
+    num_prompts: int = Field(
+        32, ge=1, description="Validation prompts per evaluation: the file's first ones (fewer if it has fewer)."
+    )
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of validation responses (0: greedy).")
+    num_logged_responses: int = Field(
+        4, ge=0, description="Responses per evaluation written to validation/step-NNNNNN.jsonl."
+    )
+
+
+class LoggingSpec(_Section):
+    """Where the trainer's main rank writes the step metrics besides metrics.jsonl and Prometheus."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Experiment trackers, each an optional extra (pip install 'reinforce-k8s[NAME]'): tensorboard "
+        "(RUN_DIR/tensorboard), wandb (offline, RUN_DIR/wandb), mlflow (file store RUN_DIR/mlruns). Same metric "
+        "names as metrics.jsonl, the spec as the run's config; a resumed run continues the same tracker run.",
+    )
+    project: str | None = Field(None, description="wandb project / mlflow experiment name (default: the run name).")
 
 
 class WeightsSpec(_Section):
@@ -218,6 +261,8 @@ class RunSpec(_Section):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    validation: ValidationSpec = Field(default_factory=ValidationSpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)
 

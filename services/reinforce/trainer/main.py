@@ -28,6 +28,7 @@ from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.trackers import Trackers
 from reinforce.core.weights import WeightServer, publish
 from reinforce.trainer.algorithms import build_algorithm
 from reinforce.trainer.backends import build_backend
@@ -37,6 +38,7 @@ from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import PromptFeeder
 from reinforce.trainer.plot import plot_metrics
+from reinforce.trainer.validation import Validator
 
 log = logging.getLogger("reinforce.trainer")
 # How each step metric combines across data-parallel ranks (the rest are averaged).
@@ -78,7 +80,7 @@ class Trainer:
         self.queue = RolloutQueue(connect(redis_url), spec.name)
         self.queue.ensure_groups()
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
-        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts
+        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
         self.feeder = PromptFeeder(
             spec, PromptCursor(prompts, spec.seed, spec.data.shuffle), self.tokenizer, self.queue
         )
@@ -87,6 +89,12 @@ class Trainer:
             spec, self.queue, self.consumer, self.ranks.world, self.feeder.prompt_of, self.stopping
         )
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
+        self.validator: Validator | None = None
+        if spec.data.validation_prompts and self.ranks.is_main:
+            self.validator = Validator(
+                spec, self.tokenizer, self.queue, self.backend, self.paths, self.consumer, self.stopping
+            )
+        self.trackers: Trackers | None = None  # opened by resume_if_possible, once the step is known
         self.step = 0
         self.weights_base_url: str | None = None  # set by serve_weights (weights.transport http)
 
@@ -106,6 +114,15 @@ class Trainer:
         if self.ranks.is_main:
             _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
             _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
+            if self.spec.logging.trackers:
+                self.trackers = Trackers(
+                    self.spec.logging.trackers,
+                    self.paths.root,
+                    self.spec.model_dump(mode="json"),
+                    self.spec.name,
+                    self.spec.logging.project,
+                    resume_step=self.step,
+                )
 
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
@@ -114,17 +131,34 @@ class Trainer:
         if stale:
             self.queue.ack_rollouts([entry_id for entry_id, _ in stale])
             log.info("dropped %d rollout groups of an interrupted step", len(stale))
+        if self.validator is not None:
+            self.validator.discard_pending()
 
     def run(self) -> None:
         if self.ranks.is_main:
             self.publish_weights()
+            # The start's evaluation (step 0's row); a resumed run evaluated its checkpoint's version already.
+            if self.validator is not None and self.step == 0 and not _has_row(self.paths.metrics, 0):
+                self.feeder.fill_pipeline(0)  # the first step's generation overlaps the evaluation
+                self.validator.start(0)
+                self.record(0, self.validator.finish(0))
         while self.step < self.spec.training.steps and not self.stopping.is_set():
             self.train_step()
             last = self.step == self.spec.training.steps
             if self.ranks.is_main and (self.step % self.spec.training.checkpoint_every == 0 or last):
                 self.checkpoint()
+                if self.trackers is not None:
+                    self.trackers.durable(self.step)  # rows a resume will never redo
         if self.step == self.spec.training.steps and self.ranks.is_main:
             self.finish()
+        if self.trackers is not None:
+            self.trackers.close()
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """One metrics.jsonl row, also to every tracker."""
+        self.metrics.record(step, values)
+        if self.trackers is not None:
+            self.trackers.log(step, values)
 
     def serve_weights(self, port: int, advertise_host: str, token: str | None) -> None:
         """weights.transport http: generators stream each version from this trainer's weight endpoint."""
@@ -170,6 +204,12 @@ class Trainer:
         trained = self.step
         self.step += 1
         values["timers/weight_publish"] = self.publish_weights() if self.ranks.is_main else 0.0
+        evaluate = self.validator is not None and self.validator.due(self.step)
+        if evaluate:
+            # the next step's prompts first: generators sample them while this rank waits for the evaluation
+            if self.step < self.spec.training.steps:
+                self.feeder.fill_pipeline(self.step)
+            self.validator.start(self.step)
         self.ranks.barrier()
         # Acknowledge only once the step's effect (the new weights) is written.
         self.queue.ack_rollouts(entry_ids)
@@ -182,7 +222,9 @@ class Trainer:
             return
         trained_ids = [f"{trained}-{i}" for i in indices]
         _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": trained_ids})
-        self.metrics.record(self.step, values)
+        if evaluate:
+            values.update(self.validator.finish(self.step))
+        self.record(self.step, values)
         log.info(
             "step %d reward %.4f kl %.4f loss %.4f",
             self.step,
@@ -238,6 +280,10 @@ def _truncate_jsonl(path: Path, keep_through_step: int) -> None:
         rows = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
         # In place, not by rename: the metrics writer already holds the file open for appending.
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _has_row(path: Path, step: int) -> bool:
+    return any(r["step"] == step for r in read_metrics(path))
 
 
 def _mean(values: list[float] | list[int]) -> float:

@@ -31,8 +31,15 @@ class TorchEngine(GenerationEngine):
         self.model = load_policy(policy_dir)  # weight version 0
         self._load = module_loader(self.model)
 
-    def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[list[SampledSequence]]:
-        return sample(self.model, self.tokenizer, prompts, self.num_samples, self.generation, seeds)
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        num_samples: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[SampledSequence]]:
+        k = self.num_samples if num_samples is None else num_samples
+        return sample(self.model, self.tokenizer, prompts, k, self.generation, seeds, temperature)
 
     def load_weights(self, path: Path) -> None:
         self._load(path)
@@ -65,8 +72,15 @@ def sample(
     num_samples: int,
     gen: GenerationSpec,
     seeds: list[int],
+    temperature: float | None = None,
 ) -> list[list[SampledSequence]]:
-    """For each prompt, `num_samples` responses; prompt i's rows draw from a generator seeded by seeds[i]."""
+    """For each prompt, `num_samples` responses; prompt i's rows draw from a generator seeded by seeds[i].
+
+    `temperature` overrides gen.temperature (validation); 0 is greedy: the likeliest token each time, its
+    log-prob recorded from the unscaled distribution.
+    """
+    temperature = gen.temperature if temperature is None else temperature
+    greedy = temperature == 0
     _check_inputs(model, prompts, num_samples, gen, seeds)
     device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -77,8 +91,11 @@ def sample(
     logits, attention, positions = _prefill(model, prompts, num_samples, pad, cache)
     rows = _Rows.start(logits.shape[0], device)
     for step in range(gen.max_new_tokens):
-        scaled = logits.float() / gen.temperature
-        tokens = _draw(_filter(scaled, gen.top_k, gen.top_p), generators, num_samples)
+        scaled = logits.float() / (1.0 if greedy else temperature)
+        if greedy:
+            tokens = scaled.argmax(dim=-1)
+        else:
+            tokens = _draw(_filter(scaled, gen.top_k, gen.top_p), generators, num_samples)
         _record(rows, tokens, torch.log_softmax(scaled, dim=-1), eos, tokenizer, gen.stop_strings)
         if not rows.active.any() or step == gen.max_new_tokens - 1:
             break
