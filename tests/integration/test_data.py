@@ -284,11 +284,11 @@ def test_trainer_enqueues_a_full_step_and_counts_long_prompts(
 ) -> None:
     trainer = tiny_trainer(tmp_path, redis_url, on_long_prompt)
     try:
-        prompts = trainer.enqueue_prompts(step=0)
+        prompts = trainer.feeder.enqueue_prompts(step=0)
         assert [p.text for p in prompts] == texts
         assert [p.id for p in prompts] == ["0-0", "0-1", "0-2"]
         assert all(len(p.token_ids) <= 5 for p in prompts)
-        stats_of_step = trainer.data_stats[0]
+        stats_of_step = trainer.feeder.data_stats[0]
         assert set(stats_of_step) <= set(STEP_METRICS)
         counts = (stats_of_step["data/truncated_prompts"], stats_of_step["data/skipped_long_prompts"])
         assert counts == stats

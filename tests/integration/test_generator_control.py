@@ -190,7 +190,7 @@ def test_a_generator_without_a_supervisor_prepares_the_same_initial_policy(
     try:
         expected = load_policy(RunPaths(spec.resolved_run_dir()).initial_policy)
         assert RunPaths(pod_spec.resolved_run_dir()).initial_policy.is_dir()
-        assert same_weights(generator.model, state(expected))
+        assert same_weights(generator.engine.model, state(expected))
     finally:
         generator.reward.close()
         generator.queue.client.close()

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 from pathlib import Path
 
 import pytest
-from runs import EXAMPLES, assert_each_step_trained_once, reinforce, write_spec
+from runs import (
+    EXAMPLES,
+    assert_each_step_trained_once,
+    reinforce,
+    service_pids,
+    start,
+    wait_for_step,
+    write_spec,
+)
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
@@ -59,6 +68,32 @@ def test_validation_and_trackers_in_a_real_run(tmp_path):
         assert len(table) == 3 and all(t["prompt_id"].startswith(f"val-{step}-") for t in table)
         assert {"prompt", "response", "reward"} <= set(table[0])
 
+    assert_trackers_hold_the_metrics(run_dir, rows)
+
+
+@pytest.mark.slow
+def test_killed_trainer_continues_its_tracker_runs_without_duplicate_steps(tmp_path):
+    """kill -9 the trainer after step 3 (last checkpoint: step 2): the restarted trainer redoes step 3 into the
+    same tracker runs, and each tracker holds every step once, with the values of metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    proc = start("run", str(_spec(tmp_path, ["tensorboard", "wandb", "mlflow"])))
+    run_dir = tmp_path / "run"
+    wait_for_step(proc, run_dir, 3)
+    os.kill(service_pids(run_dir, "reinforce.trainer")[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "component trainer exited with code -9" in stderr
+    rows = read_metrics(RunPaths(run_dir).metrics)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows if "val/rewards" in r] == [0, 2, 4, 5]
+    assert_each_step_trained_once(run_dir, 5)
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # two lives, one W&B run id
+    assert_trackers_hold_the_metrics(run_dir, rows)
+
+
+def assert_trackers_hold_the_metrics(run_dir: Path, rows: list[dict]) -> None:
     expected = {
         name: [(r["step"], r[name]) for r in rows if r.get(name) is not None]
         for name in ("train_rollouts/rewards", "train_optim/loss", *VAL)

@@ -140,7 +140,7 @@ def _prompt_value(value: Any, field: str) -> str:
     if isinstance(value, list):
         return _chat_prompt(value, field)
     if not isinstance(value, str):
-        raise DataError(f'"{field}" must be a string or a list of chat messages, got {type(value).__name__}')
+        raise DataError(f'"{field}" must be a string, got {type(value).__name__} (or a list of chat messages)')
     if not value.strip():
         raise DataError(f'"{field}" is empty')
     return value
