@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from runs import (
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
+from reinforce.core.trackers import wandb_history
 
 VAL = ("val/rewards", "val/response_lengths", "val/init_policy_kl")
 
@@ -100,7 +100,7 @@ def assert_trackers_hold_the_metrics(run_dir: Path, rows: list[dict]) -> None:
     }
     for name, got in (
         ("tensorboard", _tensorboard_scalars(run_dir / "tensorboard")),
-        ("wandb", _wandb_history(run_dir / "wandb")),
+        ("wandb", wandb_history(run_dir / "wandb")),
         ("mlflow", _mlflow_history(run_dir / "mlruns")),
     ):
         for metric, series in expected.items():
@@ -149,46 +149,3 @@ def _mlflow_history(folder: Path) -> dict[str, list[tuple[int, float]]]:
     run_id = (folder / "reinforce_run_id").read_text().strip()
     metrics = client.get_run(run_id).data.metrics
     return {name: sorted((m.step, m.value) for m in client.get_metric_history(run_id, name)) for name in metrics}
-
-
-def _wandb_history(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """History rows of every offline run file (W&B's transaction log: leveldb's log format of Record protos)."""
-    from wandb.proto import wandb_internal_pb2
-
-    out: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(folder.glob("offline-run-*/run-*.wandb")):
-        for data in _leveldb_records(path.read_bytes()):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            step = record.history.step.num
-            for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)
-                if not key.startswith("_"):
-                    out.setdefault(key, []).append((step, json.loads(item.value_json)))
-    return {k: sorted(v) for k, v in out.items()}
-
-
-def _leveldb_records(raw: bytes, header: int = 7, block: int = 32 * 1024) -> list[bytes]:
-    records, pending, offset = [], b"", header
-    while offset + 7 <= len(raw):
-        left_in_block = block - offset % block
-        if left_in_block < 7:  # a block's tail too short for a record header is padding
-            offset += left_in_block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", raw[offset : offset + 7])
-        data = raw[offset + 7 : offset + 7 + length]
-        offset += 7 + length
-        if kind == 0 and length == 0:
-            break
-        if kind == 1:  # FULL
-            records.append(data)
-        elif kind == 2:  # FIRST
-            pending = data
-        elif kind == 3:  # MIDDLE
-            pending += data
-        elif kind == 4:  # LAST
-            records.append(pending + data)
-            pending = b""
-    return records

@@ -170,6 +170,19 @@ class GenerationSpec(_Section):
     )
 
 
+class LoraSpec(_Section):
+    """LoRA adapters (PEFT) on the torch backend: only the adapters train and travel to the generators."""
+
+    rank: int = Field(8, ge=1, description="r: rank of each adapter.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (0: none).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the Linear modules that get an adapter (PEFT's target_modules).",
+    )
+
+
 class TrainingSpec(_Section):
     """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
 
@@ -193,6 +206,12 @@ class TrainingSpec(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    lora: LoraSpec | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight (the `lora` extra: PEFT). The reference is the "
+        "base model with the adapters disabled; generators receive only adapter weights; final_model/ is merged, "
+        "final_model/adapter/ the adapter alone.",
+    )
     val_every: int = Field(
         0,
         ge=0,

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -78,12 +79,19 @@ class TensorBoardTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    """Offline: `wandb sync RUN_DIR/wandb/offline-run-*` uploads it (the lives of a resumed run share one id)."""
+    """Offline: `wandb sync RUN_DIR/wandb/offline-run-*` uploads it (the lives of a resumed run share one id).
 
-    def __init__(self, folder: Path, config: dict, project: str, name: str, run_id: str) -> None:
+    W&B's offline run file is written by its own service process, which a killed trainer takes down with whatever
+    it had not written yet. So a resumed trainer reads the earlier lives' run files (W&B's transaction log), finds
+    the last step they hold, and first logs metrics.jsonl's rows after it, through the checkpoint's step.
+    """
+
+    def __init__(self, folder: Path, config: dict, project: str, name: str, run_id: str,
+                 earlier_rows: list[dict]) -> None:  # fmt: skip
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
+        last_written = max((step for step, _ in wandb_history_steps(folder)), default=-1)
         self.run = wandb.init(
             project=project,
             name=name,
@@ -95,6 +103,10 @@ class WandbTracker(Tracker):
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
         self.pending: list[tuple[int, dict[str, float]]] = []
+        for row in earlier_rows:
+            if row["step"] > last_written:
+                values = {k: v for k, v in row.items() if k not in ("step", "time") and _finite(v)}
+                self.run.log(values, step=row["step"])
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.pending.append((step, values))
@@ -106,6 +118,67 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self.run.finish()
+
+
+def wandb_history(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the offline runs in `folder` as sorted (step, value) pairs."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for step, items in wandb_history_steps(folder):
+        for key, value in items.items():
+            out.setdefault(key, []).append((step, value))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def wandb_history_steps(folder: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, {metric: value}) of each history record in the offline run files under `folder` (W&B's transaction
+    log: leveldb's log format of `wandb_internal_pb2.Record`s); a torn last record is ignored."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(folder.glob("offline-run-*/run-*.wandb")):
+        for data in _leveldb_records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(data)
+            except Exception:
+                continue
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {}
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):
+                    items[key] = json.loads(item.value_json)
+            rows.append((record.history.step.num, items))
+    return rows
+
+
+def _leveldb_records(raw: bytes, header: int = 7, block: int = 32 * 1024) -> list[bytes]:
+    records, pending, offset = [], b"", header
+    while offset + 7 <= len(raw):
+        left_in_block = block - offset % block
+        if left_in_block < 7:  # a block's tail too short for a record header is padding
+            offset += left_in_block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[offset : offset + 7])
+        if offset + 7 + length > len(raw) or (kind == 0 and length == 0):
+            break
+        data = raw[offset + 7 : offset + 7 + length]
+        offset += 7 + length
+        if kind == 1:  # FULL
+            records.append(data)
+        elif kind == 2:  # FIRST
+            pending = data
+        elif kind == 3:  # MIDDLE
+            pending += data
+        elif kind == 4:  # LAST
+            records.append(pending + data)
+            pending = b""
+    return records
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 class MlflowTracker(Tracker):
@@ -155,7 +228,8 @@ class Trackers:
     """Every configured tracker; log() gets each metrics.jsonl row (non-finite values left out)."""
 
     def __init__(self, names: list[str], run_dir: Path, config: dict, run_name: str, project: str | None,
-                 resume_step: int) -> None:  # fmt: skip
+                 resume_step: int, earlier_rows: list[dict] | None = None) -> None:  # fmt: skip
+        """earlier_rows: metrics.jsonl's rows through resume_step (a resumed run), for trackers that lost some."""
         check_trackers(names)
         project = project or run_name
         self.trackers: list[Tracker] = []
@@ -164,13 +238,14 @@ class Trackers:
                 self.trackers.append(TensorBoardTracker(run_dir / "tensorboard", config, resume_step))
             elif name == "wandb":
                 run_id = tracker_run_id(run_dir, "wandb")
-                self.trackers.append(WandbTracker(run_dir / "wandb", config, project, run_name, run_id))
+                rows = earlier_rows or []
+                self.trackers.append(WandbTracker(run_dir / "wandb", config, project, run_name, run_id, rows))
             elif name == "mlflow":
                 (run_dir / "mlruns").mkdir(parents=True, exist_ok=True)
                 self.trackers.append(MlflowTracker(run_dir / "mlruns", config, project, run_name, resume_step))
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
+        finite = {k: float(v) for k, v in values.items() if _finite(v)}
         for tracker in self.trackers:
             tracker.log(step, finite)
 

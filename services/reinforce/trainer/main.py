@@ -122,6 +122,7 @@ class Trainer:
                     self.spec.name,
                     self.spec.logging.project,
                     resume_step=self.step,
+                    earlier_rows=read_metrics(self.paths.metrics),
                 )
 
     def discard_unfinished_rollouts(self) -> None:
@@ -169,12 +170,9 @@ class Trainer:
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
+        tensors, metadata = self.backend.weights_to_publish()
         weights = publish(
-            self.backend.publishable_model(),
-            self.paths.weights,
-            self.step,
-            self.spec.weights.keep_versions,
-            self.weights_base_url,
+            tensors, self.paths.weights, self.step, self.spec.weights.keep_versions, self.weights_base_url, metadata
         )
         self.queue.publish_weights(weights)
         return time.perf_counter() - start
@@ -187,7 +185,7 @@ class Trainer:
         log.info("checkpoint %s", path)
 
     def finish(self) -> None:
-        self.backend.publishable_model().save_pretrained(self.paths.final_model)
+        self.backend.save_final(self.paths.final_model)
         self.tokenizer.save_pretrained(self.paths.final_model)
         plot_metrics(self.paths.metrics, self.paths.plot)
         log.info("final model in %s", self.paths.final_model)

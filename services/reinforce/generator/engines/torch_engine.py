@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into
 from reinforce.core.models import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec
-from reinforce.core.weights import module_loader
+from reinforce.core.weights import WeightError, module_loader
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 
 
@@ -30,6 +32,7 @@ class TorchEngine(GenerationEngine):
         self.tokenizer = load_tokenizer(policy_dir)
         self.model = load_policy(policy_dir)  # weight version 0
         self._load = module_loader(self.model)
+        self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 
     def sample(
         self,
@@ -42,7 +45,20 @@ class TorchEngine(GenerationEngine):
         return sample(self.model, self.tokenizer, prompts, k, self.generation, seeds, temperature)
 
     def load_weights(self, path: Path) -> None:
-        self._load(path)
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != LORA_FORMAT:
+                self._load(path)
+                return
+            adapters = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        # LoRA: only adapters travel; the base weights are the ones this engine started with (weight version 0)
+        params = dict(self.model.named_parameters())
+        for module in adapted_modules(adapters):
+            if module not in self._lora_base:
+                if f"{module}.weight" not in params:
+                    raise WeightError(f"{path}: adapter for {module!r}, which the model does not have")
+                self._lora_base[module] = params[f"{module}.weight"].detach().clone()
+        merge_into(self.model, adapters, float(metadata["lora_scaling"]), self._lora_base)
 
 
 @dataclass
