@@ -98,7 +98,16 @@ class TorchBackend(TrainerBackend):
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _with_lora(model: torch.nn.Module, lora: LoraSpec):
+def _with_lora(model: torch.nn.Module, lora: LoraSpec):  # a peft.PeftModel
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    output = model.get_output_embeddings()
+    output_names = {name for name, module in model.named_modules() if module is output}
+    if tied and any(t in output_names or t.split(".")[-1] in output_names for t in lora.target_modules):
+        # the generators merge adapters into the weights, and a tied output layer's weight is the input embedding's
+        raise ValueError(
+            f"training.lora.target_modules names the output layer {sorted(output_names)}, whose weight is tied to the "
+            "input embeddings: leave it out"
+        )
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
