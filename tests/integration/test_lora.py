@@ -19,9 +19,12 @@ from reinforce.core.run_dir import RunPaths
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
-LORA = {"rank": 8, "alpha": 32.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                     "down_proj"]}  # fmt: skip
-TRAINING = {"steps": 24, "checkpoint_every": 8, "lr": 2.0e-2, "lora": LORA}
+# The tiny task is learned through the output layer, so this model's is untied and adapted too.
+LORA = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj", "lm_head"]}  # fmt: skip
+TRAINING = {"steps": 24, "checkpoint_every": 8, "lr": 1.0e-2, "lora": LORA}
+UNTIED = {"random_init": {"vocab": "abcdefghijklmnopqrstuvwxyz .,!?", "hidden_size": 32, "intermediate_size": 64,
+                          "num_layers": 2, "num_heads": 2, "tie_word_embeddings": False}}  # fmt: skip
 KILL_AFTER = 12  # last checkpoint before it: step 8, so steps 9..12 are redone
 
 
@@ -29,10 +32,10 @@ def test_lora_run_learns_ships_adapters_and_resumes_exactly(tmp_path):
     """One run, its trainer killed after step 12 and restarted by the supervisor: the redone steps repeat the
     killed life's to the last bit (same samples, same updates), the reward rises, and every published weight
     version holds only the adapters."""
-    proc = start("run", str(write_spec(tmp_path, training=TRAINING)))
+    proc = start("run", str(write_spec(tmp_path, training=TRAINING, policy=UNTIED)))
     run_dir = tmp_path / "run"
     paths = RunPaths(run_dir)
-    wait_for_step(proc, run_dir, KILL_AFTER)
+    wait_for_step(proc, run_dir, KILL_AFTER, timeout_s=900)
     os.kill(service_pids(run_dir, "reinforce.trainer")[0], signal.SIGKILL)
     first_life = {r["step"]: r for r in read_metrics(paths.metrics)}
     _, stderr = proc.communicate(timeout=900)
@@ -54,7 +57,7 @@ def test_lora_run_learns_ships_adapters_and_resumes_exactly(tmp_path):
 
     rewards = [r["train_rollouts/rewards"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
     assert max(r["train_rollouts/logprob_mismatch"] for r in rows) < 1e-4  # generators merged the adapters
     assert rows[-1]["train_rollouts/init_policy_kl"] > 0  # reference = base with adapters disabled
 

@@ -166,7 +166,7 @@ def _random_policy(init: RandomInit, seed: int) -> tuple[PreTrainedModel, PreTra
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=init.tie_word_embeddings,
         dtype="float32",
     )
     # Seed a private RNG state: materialising must not shift the caller's random stream.

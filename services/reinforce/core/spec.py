@@ -30,6 +30,9 @@ class RandomInit(_Section):
     num_layers: int = Field(2, ge=1, description="Transformer layers.")
     num_heads: int = Field(2, ge=1, description="Attention heads (hidden_size must divide by it).")
     max_position_embeddings: int = Field(256, ge=16, description="Longest prompt + response.")
+    tie_word_embeddings: bool = Field(
+        True, description="Output layer shares the input embeddings' weight (False: LoRA may adapt lm_head)."
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> RandomInit:
