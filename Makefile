@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,trackers,data,lora]"
 	$(PY) scripts/install_system.py
 	touch $@
 
@@ -29,7 +29,7 @@ lint: install
 
 # Regenerate services/reinforce/core/records_pb2.py after editing proto/reinforce/v1/records.proto.
 proto: install
-	$(PY) -m grpc_tools.protoc -Iproto/reinforce/v1 --python_out=services/core --pyi_out=services/core records.proto
+	$(PY) -m grpc_tools.protoc -Iproto/reinforce/v1 --python_out=services/reinforce/core --pyi_out=services/reinforce/core records.proto
 
 # Every generated file (CRD, chart values schema and RBAC rules, operator/operator.yaml, dashboards, alerts,
 # README tables) from the code that defines it; the drift tests fail until this has been run.

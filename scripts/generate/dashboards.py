@@ -176,7 +176,9 @@ def step_series(title: str, description: str, *names: str, unit: str = "short") 
 
 def run_overview() -> Dashboard:
     """Is the run learning, and where does a step's time go."""
-    timers = ("rollout_time", "generate", "reward", "init_logprobs", "train_time", "weight_publish", "step_time")
+    timers = (
+        "rollout_time", "generate", "reward", "init_logprobs", "train_time", "weight_publish", "step_time", "validation"
+    )  # fmt: skip
     lag_buckets = histogram(_TRAINER.policy_lag, "bucket")
     return Dashboard(
         "run-overview.json",
@@ -197,6 +199,14 @@ def run_overview() -> Dashboard:
                 "KL to the initial policy",
                 STEP_METRICS["train_rollouts/init_policy_kl"],
                 "train_rollouts/init_policy_kl",
+            ),
+            step_series(
+                "Validation",
+                "Reward, KL to the initial policy and response length on data.validation_prompts (set at the start, "
+                "every training.val_every steps and at the end; each holds its last evaluation in between).",
+                "val/rewards",
+                "val/init_policy_kl",
+                "val/response_lengths",
             ),
             step_series("Loss", STEP_METRICS["train_optim/loss"], "train_optim/loss"),
             step_series("Gradient norm", STEP_METRICS["train_optim/grad_norm"], "train_optim/grad_norm"),

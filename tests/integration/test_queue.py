@@ -185,8 +185,8 @@ def test_delete_run_keys_removes_every_key(queue: RolloutQueue, client: redis.Re
     queue.publish_weights(WeightVersion(version=1))
     client.xadd(queue.prompts_key, {"junk": b"1"})
     queue.read_prompts("g", 10, 0)  # dead-letters the junk entry
-    assert len(client.keys("reinforce:test-run:*")) == 4
-    assert queue.delete_run_keys() == 4
+    assert len(client.keys("reinforce:test-run:*")) == 5  # prompts, rollouts, validation, weights, deadletter
+    assert queue.delete_run_keys() == 5
     assert client.keys("*") == []
 
 

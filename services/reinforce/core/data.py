@@ -23,9 +23,28 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # decoded, parsed or tokenised, so one runaway line cannot exhaust the trainer's memory.
 MAX_LINE_BYTES = 1 << 20
 TEXT_SUFFIXES = (".txt",)
+PARQUET_SUFFIXES = (".parquet",)
+DATASETS_MARKERS = ("dataset_info.json", "dataset_dict.json")  # what save_to_disk writes into a folder
 OnBadLine = Literal["error", "skip"]  # DataSpec.on_bad_line
 # A prompt's text -> (token ids, or None to skip it; whether it was over-long): models.encode_prompt_checked.
 Encoder = Callable[[str], tuple[list[int] | None, bool]]
+
+
+class ChatPrompt(str):
+    """A prompt given as a chat message list: the string is its last user message (what the reward model sees),
+    `messages` the whole list ({role, content}), fed to the chat template as they are. A system message in the
+    list takes the place of data.system_prompt for this prompt."""
+
+    messages: list[dict[str, str]]
+
+    def __new__(cls, messages: list[dict[str, str]]) -> ChatPrompt:
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = super().__new__(cls, users[-1])
+        prompt.messages = [dict(m) for m in messages]
+        return prompt
+
+    def __reduce__(self) -> tuple:
+        return (ChatPrompt, (self.messages,))
 
 
 @dataclass(frozen=True)
@@ -45,31 +64,42 @@ def load_prompts(path: str | Path) -> list[str]:
     return read_prompt_file(path).prompts
 
 
-def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error") -> PromptFile:
+def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error", prompt_field: str = "prompt") -> PromptFile:
     """Prompts of a file (format as :func:`load_prompts`); what a malformed line does is ``on_bad_line``.
 
-    "error": raise a :class:`DataError` naming file:line. "skip": log a warning naming file:line and the
-    reason, leave the line out and count it. A file without a single usable prompt is an error either way.
+    Besides ``.jsonl`` and ``.txt``: a ``.parquet`` file (veRL's format) or a Hugging Face ``datasets`` folder
+    written by ``save_to_disk``, whose column ``prompt_field`` holds a string or a chat message list. Rows are
+    named "row N" (0-based, as a data frame counts them), lines "file:N" (1-based, as an editor counts them).
+
+    "error": raise a :class:`DataError` naming file:line (file: row N). "skip": log a warning naming it and the
+    reason, leave it out and count it. A file without a single usable prompt is an error either way.
     """
     path = Path(path)
     suffix = path.suffix.lower()
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory, not a prompt file")
-    if suffix not in JSONL_SUFFIXES + TEXT_SUFFIXES:
-        raise DataError(f"{path}: unknown prompt file type {suffix!r} (use .jsonl or .txt)")
-    parse = _jsonl_prompt if suffix in JSONL_SUFFIXES else _text_prompt
+    if path.is_dir() and any((path / m).exists() for m in DATASETS_MARKERS):
+        records, where = _dataset_rows(path, prompt_field), "row"
+    elif suffix in PARQUET_SUFFIXES:
+        records, where = _parquet_rows(path, prompt_field), "row"
+    elif path.is_dir():
+        raise DataError(f"{path}: is a directory, not a prompt file (nor a datasets folder saved with save_to_disk)")
+    elif suffix in JSONL_SUFFIXES + TEXT_SUFFIXES:
+        parse = (lambda line: _jsonl_prompt(line, prompt_field)) if suffix in JSONL_SUFFIXES else _text_prompt
+        records, where = _line_records(path, parse), "line"
+    else:
+        raise DataError(
+            f"{path}: unknown prompt file type {suffix!r} (use .jsonl, .txt, .parquet or a datasets folder "
+            "saved with save_to_disk)"
+        )
     prompts: list[str] = []
     skipped = 0
-    for lineno, raw in enumerate(_read_lines(path), start=1):
+    for number, raw, parse in records:
         try:
-            line = _decode(raw, first=lineno == 1)
-            if not line.strip():
-                continue
-            prompts.append(parse(line))
+            prompts.append(parse(raw))
         except DataError as err:
+            place = f"{path}:{number}" if where == "line" else f"{path}: row {number}"
             if on_bad_line == "error":
-                raise DataError(f"{path}:{lineno}: {err}") from None
-            log.warning("%s:%d: %s; line skipped", path, lineno, err)
+                raise DataError(f"{place}: {err}") from None
+            log.warning("%s: %s; %s skipped", place, err, where)
             skipped += 1
     if not prompts:
         bad = f" ({skipped} malformed lines skipped)" if skipped else ""
@@ -78,6 +108,14 @@ def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error") -> Prom
         # One summary besides the per-line warnings: the count is what an operator compares runs by.
         log.warning("%s: skipped %d malformed lines, kept %d prompts", path, skipped, len(prompts))
     return PromptFile(prompts, skipped)
+
+
+def _line_records(path: Path, parse: Callable[[str], str]) -> Iterator[tuple[int, bytes, Callable[[bytes], str]]]:
+    """(line number, raw line, its parser) of every non-blank line; decoding is part of parsing, so a line that
+    is not UTF-8 or too long is named by its number like any other malformed line."""
+    for lineno, raw in enumerate(_read_lines(path), start=1):
+        if raw.strip():
+            yield lineno, raw, lambda raw, first=lineno == 1: parse(_decode(raw, first))
 
 
 def _read_lines(path: Path) -> Iterator[bytes]:
@@ -112,21 +150,81 @@ def _text_prompt(line: str) -> str:
     return line.strip()
 
 
-def _jsonl_prompt(line: str) -> str:
+def _jsonl_prompt(line: str, field: str = "prompt") -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise DataError(f"invalid JSON: {err.msg} (column {err.colno})") from None
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object, got {type(record).__name__}")
-    if "prompt" not in record:
-        raise DataError('missing "prompt" field')
-    prompt = record["prompt"]
-    if not isinstance(prompt, str):
-        raise DataError(f'"prompt" must be a string, got {type(prompt).__name__}')
-    if not prompt.strip():
-        raise DataError('"prompt" is empty')
-    return prompt
+    if field not in record:
+        raise DataError(f'missing "{field}" field')
+    return _prompt_value(record[field], field)
+
+
+def _prompt_value(value: Any, field: str) -> str:
+    """A prompt from a field's value: a non-empty string, or a chat message list ending in a user message."""
+    if isinstance(value, list):
+        return _chat_prompt(value, field)
+    if not isinstance(value, str):
+        raise DataError(f'"{field}" must be a string, got {type(value).__name__} (or a list of chat messages)')
+    if not value.strip():
+        raise DataError(f'"{field}" is empty')
+    return value
+
+
+def _chat_prompt(messages: list, field: str) -> ChatPrompt:
+    if not messages:
+        raise DataError(f'"{field}" is an empty message list')
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f'"{field}"[{i}] is not a chat message {{"role": str, "content": str}}')
+        if m["role"] not in ("system", "user", "assistant"):
+            raise DataError(f'"{field}"[{i}] has role {m["role"]!r} (expected system, user or assistant)')
+        clean.append({"role": m["role"], "content": m["content"]})
+    if clean[-1]["role"] != "user":
+        raise DataError(f'"{field}": the last message must be the user\'s (the policy answers it)')
+    if not clean[-1]["content"].strip():
+        raise DataError(f'"{field}": the last user message is empty')
+    if any(m["role"] == "system" for m in clean[1:]):
+        raise DataError(f'"{field}": a system message may only come first')
+    return ChatPrompt(clean)
+
+
+def _parquet_rows(path: Path, field: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'reinforce-k8s[data]'") from None
+    if not path.exists():
+        raise DataError(f"{path}: no such prompt file")
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several kinds for a damaged file
+        raise DataError(f"{path}: not a readable Parquet file ({err})") from None
+    return _column_rows(path, table.column_names, lambda: table.column(field).to_pylist(), field)
+
+
+def _dataset_rows(path: Path, field: str):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{path}: reading a datasets folder needs datasets: pip install 'reinforce-k8s[data]'"
+        ) from None
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if list(loaded) != ["train"] and len(loaded) != 1:
+            raise DataError(f"{path}: a DatasetDict with splits {list(loaded)}: point at one split's folder")
+        loaded = next(iter(loaded.values()))
+    return _column_rows(path, loaded.column_names, lambda: loaded[field], field)
+
+
+def _column_rows(path: Path, columns: list[str], values, field: str):
+    if field not in columns:
+        raise DataError(f"{path}: no column {field!r} (columns: {', '.join(columns)}); set data.prompt_field")
+    return ((row, value, lambda v: _prompt_value(v, field)) for row, value in enumerate(values()))
 
 
 @dataclass
@@ -234,6 +332,8 @@ def _fingerprint(prompts: list[str]) -> str:
     digest = hashlib.sha256()
     for prompt in prompts:
         digest.update(prompt.encode())
+        if isinstance(prompt, ChatPrompt):  # the whole conversation, not only its last user message
+            digest.update(json.dumps(prompt.messages).encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 

@@ -55,7 +55,15 @@ STEP_METRICS: dict[str, str] = {
     "queue/dead_letters": "Records moved to the run's dead-letter stream because they did not decode.",
     "data/truncated_prompts": "Prompts of the step truncated from the left to max_prompt_tokens.",
     "data/skipped_long_prompts": "Prompts skipped this step for being longer than max_prompt_tokens.",
+    "val/rewards": "Validation: mean reward on the validation prompts (rows of evaluation steps only).",
+    "val/response_lengths": "Validation: mean response length in tokens.",
+    "val/init_policy_kl": "Validation: mean per-response KL to the reference policy (the configured estimator).",
+    "val/fraction_of_samples_properly_ended": "Validation: fraction of responses that ended properly.",
+    "timers/validation": "Validation: seconds the trainer waited for and scored the evaluation.",
 }
+# Recorded only in the rows of evaluation steps (data.validation_prompts): at the start, every
+# training.val_every steps and at the end. The start's row (step 0) holds only these.
+VALIDATION_METRICS = (*(name for name in STEP_METRICS if name.startswith("val/")), "timers/validation")
 
 STEP = "step"  # the jsonl key of the step number; Prometheus: TRAINER_STEP
 TRAINER_STEP = PREFIX + "trainer_step"  # Prometheus name of the last completed step
@@ -94,6 +102,7 @@ class TrainerMetrics:
             self._jsonl = self._jsonl_path.open("a", buffering=1)
 
     def record(self, step: int, values: dict[str, float]) -> None:
+        """One metrics.jsonl row (and the gauges, and every configured tracker)."""
         unknown = set(values) - set(STEP_METRICS)
         if unknown:
             raise KeyError(f"undeclared metric names {sorted(unknown)}: add them to STEP_METRICS")

@@ -166,7 +166,7 @@ def _random_policy(init: RandomInit, seed: int) -> tuple[PreTrainedModel, PreTra
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=init.tie_word_embeddings,
         dtype="float32",
     )
     # Seed a private RNG state: materialising must not shift the caller's random stream.
@@ -208,15 +208,16 @@ def encode_prompt_checked(
     Too long with ids: truncated; too long with None: skipped. One tokenisation serves both answers.
     """
     if data.chat_template:
-        messages = [{"role": "user", "content": text}]
-        if data.system_prompt is not None:
+        # A chat-format prompt brings its own messages (and perhaps its own system message).
+        messages = list(getattr(text, "messages", None) or [{"role": "user", "content": str(text)}])
+        if data.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": data.system_prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # some versions return a BatchEncoding
             ids = ids["input_ids"]
         ids = list(ids)
     else:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(str(text), add_special_tokens=False)
         bos = tokenizer.bos_token_id
         # Keep the tokenizer's own BOS convention (does it prepend one?) but never add EOS to a prompt.
         if bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]:

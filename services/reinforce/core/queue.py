@@ -4,6 +4,8 @@ Keys of run ``R`` (all deleted by :meth:`RolloutQueue.delete_run_keys`)::
 
     reinforce:R:prompts     stream, consumer group ``generators``: trainer -> generators
     reinforce:R:rollouts    stream, consumer group ``trainer``: generators -> trainer
+    reinforce:R:validation  stream, consumer group ``trainer``: validation groups, generators -> trainer's main
+                            rank (never the rollouts stream: a validation group can never be trained on)
     reinforce:R:weights     string: the latest published WeightVersion
     reinforce:R:deadletter  stream: entries that could not be decoded
 
@@ -32,7 +34,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from reinforce.core.names import REDIS_URL_ENV
-from reinforce.core.records_pb2 import Prompt, RolloutGroup, WeightVersion
+from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, WeightVersion
 
 GENERATORS_GROUP = "generators"
 TRAINER_GROUP = "trainer"
@@ -134,13 +136,18 @@ class RolloutQueue:
         self.rollouts_key = self.prefix + "rollouts"
         self.weights_key = self.prefix + "weights"
         self.deadletter_key = self.prefix + "deadletter"
+        self.validation_key = self.prefix + "validation"
         self._socket_timeout: float | None = kwargs.get("socket_timeout")
 
     # --- setup and teardown -------------------------------------------------------------------------
 
     def ensure_groups(self) -> None:
         """Create both consumer groups (and their streams); safe to call from every process, any order."""
-        for key, group in ((self.prompts_key, GENERATORS_GROUP), (self.rollouts_key, TRAINER_GROUP)):
+        for key, group in (
+            (self.prompts_key, GENERATORS_GROUP),
+            (self.rollouts_key, TRAINER_GROUP),
+            (self.validation_key, TRAINER_GROUP),
+        ):
             try:
                 # From id 0, not $: entries added before the group existed must still be delivered.
                 self.client.xgroup_create(key, group, id="0", mkstream=True)
@@ -204,7 +211,9 @@ class RolloutQueue:
     # --- rollouts -----------------------------------------------------------------------------------
 
     def put_rollout(self, group: RolloutGroup) -> str:
-        return _text(self.client.xadd(self.rollouts_key, {DATA_FIELD: group.SerializeToString()}))
+        """A group onto the rollouts stream, or the validation stream for a VALIDATION prompt's group."""
+        key = self.validation_key if group.kind == PromptKind.VALIDATION else self.rollouts_key
+        return _text(self.client.xadd(key, {DATA_FIELD: group.SerializeToString()}))
 
     def read_rollouts(
         self, consumer: str, count: int, block_ms: int, pending: bool = False
@@ -217,6 +226,15 @@ class RolloutQueue:
 
     def ack_rollouts(self, entry_ids: Iterable[str]) -> int:
         return self._ack(self.rollouts_key, TRAINER_GROUP, entry_ids)
+
+    def read_validation(
+        self, consumer: str, count: int, block_ms: int, pending: bool = False
+    ) -> list[tuple[str, RolloutGroup]]:
+        """Validation groups (the trainer's main rank evaluates them; nothing trains on them)."""
+        return self._read(self.validation_key, TRAINER_GROUP, consumer, count, block_ms, RolloutGroup, pending)
+
+    def ack_validation(self, entry_ids: Iterable[str]) -> int:
+        return self._ack(self.validation_key, TRAINER_GROUP, entry_ids)
 
     # --- weights ------------------------------------------------------------------------------------
 

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rrecords.proto\x12\x0creinforce.v1\"~\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x03\"[\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06reward\x18\x03 \x01(\x02\x12\x0e\n\x06is_end\x18\x04 \x01(\x08\x12\x0c\n\x04text\x18\x05 \x01(\t\"\xe5\x01\n\x0cRolloutGroup\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12%\n\x07samples\x18\x06 \x03(\x0b\x32\x14.reinforce.v1.Sample\x12\x14\n\x0cgenerator_id\x18\x07 \x01(\t\x12\x18\n\x10generate_seconds\x18\x08 \x01(\x01\x12\x16\n\x0ereward_seconds\x18\t \x01(\x01\"f\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cpublished_at\x18\x05 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rrecords.proto\x12\x0creinforce.v1\"\xd0\x01\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12&\n\x04kind\x18\x08 \x01(\x0e\x32\x18.reinforce.v1.PromptKind\x12\x18\n\x0btemperature\x18\t \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"[\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06reward\x18\x03 \x01(\x02\x12\x0e\n\x06is_end\x18\x04 \x01(\x08\x12\x0c\n\x04text\x18\x05 \x01(\t\"\x8d\x02\n\x0cRolloutGroup\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12%\n\x07samples\x18\x06 \x03(\x0b\x32\x14.reinforce.v1.Sample\x12\x14\n\x0cgenerator_id\x18\x07 \x01(\t\x12\x18\n\x10generate_seconds\x18\x08 \x01(\x01\x12\x16\n\x0ereward_seconds\x18\t \x01(\x01\x12&\n\x04kind\x18\n \x01(\x0e\x32\x18.reinforce.v1.PromptKind\"f\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cpublished_at\x18\x05 \x01(\x01*\'\n\nPromptKind\x12\t\n\x05TRAIN\x10\x00\x12\x0e\n\nVALIDATION\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'records_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROMPT']._serialized_start=31
-  _globals['_PROMPT']._serialized_end=157
-  _globals['_SAMPLE']._serialized_start=159
-  _globals['_SAMPLE']._serialized_end=250
-  _globals['_ROLLOUTGROUP']._serialized_start=253
-  _globals['_ROLLOUTGROUP']._serialized_end=482
-  _globals['_WEIGHTVERSION']._serialized_start=484
-  _globals['_WEIGHTVERSION']._serialized_end=586
+  _globals['_PROMPTKIND']._serialized_start=711
+  _globals['_PROMPTKIND']._serialized_end=750
+  _globals['_PROMPT']._serialized_start=32
+  _globals['_PROMPT']._serialized_end=240
+  _globals['_SAMPLE']._serialized_start=242
+  _globals['_SAMPLE']._serialized_end=333
+  _globals['_ROLLOUTGROUP']._serialized_start=336
+  _globals['_ROLLOUTGROUP']._serialized_end=605
+  _globals['_WEIGHTVERSION']._serialized_start=607
+  _globals['_WEIGHTVERSION']._serialized_end=709
 # @@protoc_insertion_point(module_scope)

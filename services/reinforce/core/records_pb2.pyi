@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PromptKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAIN: _ClassVar[PromptKind]
+    VALIDATION: _ClassVar[PromptKind]
+TRAIN: PromptKind
+VALIDATION: PromptKind
+
 class Prompt(_message.Message):
-    __slots__ = ("id", "step", "policy_version", "text", "token_ids", "num_samples", "seed")
+    __slots__ = ("id", "step", "policy_version", "text", "token_ids", "num_samples", "seed", "kind", "temperature")
     ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +23,8 @@ class Prompt(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     id: str
     step: int
     policy_version: int
@@ -22,7 +32,9 @@ class Prompt(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_samples: int
     seed: int
-    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    kind: PromptKind
+    temperature: float
+    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., kind: _Optional[_Union[PromptKind, str]] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("token_ids", "logprobs", "reward", "is_end", "text")
@@ -39,7 +51,7 @@ class Sample(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., is_end: _Optional[bool] = ..., text: _Optional[str] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("prompt_id", "step", "policy_version", "prompt_text", "prompt_token_ids", "samples", "generator_id", "generate_seconds", "reward_seconds")
+    __slots__ = ("prompt_id", "step", "policy_version", "prompt_text", "prompt_token_ids", "samples", "generator_id", "generate_seconds", "reward_seconds", "kind")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +61,7 @@ class RolloutGroup(_message.Message):
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     step: int
     policy_version: int
@@ -58,7 +71,8 @@ class RolloutGroup(_message.Message):
     generator_id: str
     generate_seconds: float
     reward_seconds: float
-    def __init__(self, prompt_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generate_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ...) -> None: ...
+    kind: PromptKind
+    def __init__(self, prompt_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generate_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ..., kind: _Optional[_Union[PromptKind, str]] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "uri", "sha256", "num_bytes", "published_at")

@@ -58,3 +58,13 @@ class RunPaths:
     def lock(self) -> Path:
         """Held (flock) by the live supervisor of this folder, and holding its PID."""
         return self.root / "supervisor.lock"
+
+    @property
+    def validation(self) -> Path:
+        """validation/step-NNNNNN.jsonl: a few validation responses of each evaluation."""
+        return self.root / "validation"
+
+    @property
+    def trackers(self) -> Path:
+        """Experiment trackers' folders: tensorboard/, wandb/, mlruns/ (logging.trackers)."""
+        return self.root

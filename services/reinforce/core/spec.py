@@ -32,6 +32,9 @@ class RandomInit(_Section):
     num_layers: int = Field(2, ge=1, description="Transformer layers.")
     num_heads: int = Field(2, ge=1, description="Attention heads (hidden_size must divide by it).")
     max_position_embeddings: int = Field(256, ge=16, description="Longest prompt + response.")
+    tie_word_embeddings: bool = Field(
+        True, description="Output layer shares the input embeddings' weight (False: LoRA may adapt lm_head)."
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> RandomInit:
@@ -98,7 +101,20 @@ class DataSpec(_Section):
 
     prompts: str = Field(
         ...,
-        description="Prompt file: JSON lines with a `prompt` field, or plain text with one prompt per line.",
+        description="Prompts: JSON lines (.jsonl), plain text with one prompt per line (.txt), Parquet (.parquet, "
+        "veRL's format) or a Hugging Face `datasets` folder saved with save_to_disk. In JSON lines, Parquet and "
+        "datasets the column `prompt_field` holds a string or a chat message list ([{role, content}, ...]).",
+    )
+    validation_prompts: str | None = Field(
+        None,
+        description="Validation prompts, in the formats of `prompts`: evaluated (never trained on) at the start, "
+        "every training.val_every steps and at the end (section `validation`). None: no validation.",
+    )
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="JSON lines, Parquet, datasets: the field/column holding the prompt. A chat message list "
+        "gives its last user message as the prompt and its system message as the system prompt.",
     )
     chat_template: bool = Field(True, description="Wrap each prompt in the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message for the chat template (None: none).")
@@ -161,6 +177,19 @@ class GenerationSpec(_Section):
     )
 
 
+class LoraSpec(_Section):
+    """LoRA adapters (PEFT) on the torch backend: only the adapters train and travel to the generators."""
+
+    rank: int = Field(8, ge=1, description="r: rank of each adapter.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (0: none).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the Linear modules that get an adapter (PEFT's target_modules).",
+    )
+
+
 class TrainingSpec(_Section):
     """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
 
@@ -192,6 +221,18 @@ class TrainingSpec(_Section):
     )
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    lora: LoraSpec | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight (the `lora` extra: PEFT). The reference is the "
+        "base model with the adapters disabled; generators receive only adapter weights; final_model/ is merged, "
+        "final_model/adapter/ the adapter alone.",
+    )
+    val_every: int = Field(
+        0,
+        ge=0,
+        description="With data.validation_prompts: evaluate every this many steps, and always at the start and "
+        "the end (0: only at the start and the end).",
+    )
 
     @field_validator("adam_betas", mode="before")
     @classmethod
@@ -208,6 +249,30 @@ class TrainingSpec(_Section):
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
         return betas
+
+
+class ValidationSpec(_Section):
+    """Evaluation on data.validation_prompts through the same generators and reward server; never trained on."""
+
+    num_prompts: int = Field(
+        32, ge=1, description="Validation prompts per evaluation: the file's first ones (fewer if it has fewer)."
+    )
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of validation responses (0: greedy).")
+    num_logged_responses: int = Field(
+        4, ge=0, description="Responses per evaluation written to validation/step-NNNNNN.jsonl."
+    )
+
+
+class LoggingSpec(_Section):
+    """Where the trainer's main rank writes the step metrics besides metrics.jsonl and Prometheus."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Experiment trackers, each an optional extra (pip install 'reinforce-k8s[NAME]'): tensorboard "
+        "(RUN_DIR/tensorboard), wandb (offline, RUN_DIR/wandb), mlflow (file store RUN_DIR/mlruns). Same metric "
+        "names as metrics.jsonl, the spec as the run's config; a resumed run continues the same tracker run.",
+    )
+    project: str | None = Field(None, description="wandb project / mlflow experiment name (default: the run name).")
 
 
 class WeightsSpec(_Section):
@@ -257,6 +322,8 @@ class RunSpec(_Section):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    validation: ValidationSpec = Field(default_factory=ValidationSpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     queue: QueueSpec = Field(default_factory=QueueSpec)
     restart: RestartSpec = Field(default_factory=RestartSpec)

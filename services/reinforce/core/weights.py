@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 import httpx
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 from reinforce.core.names import LOCAL_HOST
 from reinforce.core.records_pb2 import WeightVersion
@@ -106,7 +106,12 @@ def weight_path(weights_dir: Path, version: int) -> Path:
 
 
 def publish(
-    model: torch.nn.Module, weights_dir: Path, version: int, keep: int = 3, base_url: str | None = None
+    model: torch.nn.Module | dict[str, torch.Tensor],
+    weights_dir: Path,
+    version: int,
+    keep: int = 3,
+    base_url: str | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> WeightVersion:
     """Write version `version` atomically (readers never see a partial file) and prune old versions.
 
@@ -117,7 +122,11 @@ def publish(
     path = weight_path(weights_dir, version)
     tmp = path.with_suffix(".tmp")
     # save_model (not save_file) because tied embeddings share storage, which save_file refuses.
-    save_model(model, str(tmp), metadata={"version": str(version)})
+    meta = {"version": str(version), **(metadata or {})}
+    if isinstance(model, dict):  # named tensors (LoRA adapters: no shared storage)
+        save_file({k: v.detach().contiguous() for k, v in model.items()}, str(tmp), metadata=meta)
+    else:
+        save_model(model, str(tmp), metadata=meta)
     digest = sha256_of(tmp)
     os.replace(tmp, path)
     _prune(weights_dir, keep_from=version - keep + 1)

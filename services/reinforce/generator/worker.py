@@ -41,7 +41,7 @@ from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
-from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample, WeightVersion
+from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
@@ -164,8 +164,9 @@ class Generator:
             block_ms = 20 if self.held else 200
             fresh = self.queue.read_prompts(self.name, count=self.spec.generation.batch_prompts, block_ms=block_ms)
             ready, self.held = self.split_by_version(self.held + fresh)
-            if ready:
-                self.process(ready)
+            # Validation prompts sample in their own batch: their own sample count and temperature.
+            for batch in _split_by_sampling(ready):
+                self.process(batch)
 
     def reclaim_from_dead_generators(self) -> list[tuple[str, Prompt]]:
         idle_ms = int(self.spec.generation.reclaim_idle_s * 1000)
@@ -201,7 +202,13 @@ class Generator:
         prompts = [p for _, p in entries]
         version = self.weights.loaded
         start = time.perf_counter()
-        sampled = self.engine.sample([list(p.token_ids) for p in prompts], [p.seed for p in prompts])
+        first = prompts[0]
+        if first.kind == PromptKind.VALIDATION:
+            temperature = first.temperature if first.HasField("temperature") else None
+            options = {"num_samples": first.num_samples, "temperature": temperature}
+        else:
+            options = {}
+        sampled = self.engine.sample([list(p.token_ids) for p in prompts], [p.seed for p in prompts], **options)
         generate_seconds = time.perf_counter() - start
         start = time.perf_counter()
         texts = [s.text for seqs in sampled for s in seqs]
@@ -216,6 +223,7 @@ class Generator:
                 prompt_text=prompt.text,
                 prompt_token_ids=prompt.token_ids,
                 generator_id=self.name,
+                kind=prompt.kind,
                 # each group's share of the batch's time, so a step's sum is the generators' busy time
                 generate_seconds=generate_seconds / len(entries),
                 reward_seconds=reward_seconds / len(entries),
@@ -257,6 +265,18 @@ class Generator:
         self.metrics.reward_seconds.inc(reward_s)
         self.metrics.batch_size.observe(len(sequences))
         self.metrics.nonfinite_rewards.inc(sum(not math.isfinite(r) for r in rewards))
+
+
+def _split_by_sampling(entries: list[tuple[str, Prompt]]) -> list[list[tuple[str, Prompt]]]:
+    """Ready prompts as batches that sample alike: training prompts together, validation prompts by their
+    (sample count, temperature)."""
+    batches: dict[tuple, list[tuple[str, Prompt]]] = {}
+    for entry in entries:
+        p = entry[1]
+        key = (p.kind, p.num_samples, p.temperature if p.HasField("temperature") else None)
+        key = key if p.kind == PromptKind.VALIDATION else (PromptKind.TRAIN,)
+        batches.setdefault(key, []).append(entry)
+    return list(batches.values())
 
 
 def control_plane(gen: Generator, token: str) -> FastAPI:

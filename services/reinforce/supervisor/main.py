@@ -44,6 +44,7 @@ from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
+from reinforce.core.trackers import TrackerError, check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 
 log = logging.getLogger("reinforce")
@@ -130,7 +131,12 @@ def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
             "run_dir": str(spec.resolved_run_dir().resolve()),
             "policy": policy,
             "reward": reward,
-            "data": spec.data.model_copy(update={"prompts": local(spec.data.prompts)}),
+            "data": spec.data.model_copy(
+                update={
+                    "prompts": local(spec.data.prompts),
+                    "validation_prompts": spec.data.validation_prompts and local(spec.data.validation_prompts),
+                }
+            ),
         }
     )
 
@@ -324,6 +330,9 @@ class Progress:
         if not rows:  # a restarted trainer dropped the rows of the steps it redoes
             self.bar.reset()
             return
+        rows = [r for r in rows if "train_rollouts/rewards" in r]  # not the start's validation-only row
+        if not rows:
+            return
         last = rows[-1]
         self.bar.update(last["step"] - self.bar.n)
         self.bar.set_postfix(
@@ -385,10 +394,17 @@ def _run(args: argparse.Namespace) -> int:
     else:
         spec_file = Path(args.spec)
         spec = resolve_spec(load_spec(spec_file), spec_file)
+    # A bad prompt file fails now, naming file:line; so does a tracker whose extra is not installed.
+    for name in ("prompts", "validation_prompts"):
+        if getattr(spec.data, name):
+            try:
+                read_prompt_file(getattr(spec.data, name), spec.data.on_bad_line, spec.data.prompt_field)
+            except DataError as err:
+                raise SpecError(f"{spec_file}: data.{name}: {err}") from None
     try:
-        read_prompt_file(spec.data.prompts, spec.data.on_bad_line)  # a bad prompt file fails now, naming file:line
-    except DataError as err:
-        raise SpecError(f"{spec_file}: data.prompts: {err}") from None
+        check_trackers(spec.logging.trackers)
+    except TrackerError as err:
+        raise SpecError(f"{spec_file}: logging.trackers: {err}") from None
     paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
     paths.spec.write_text(dump_spec(spec))
     print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
@@ -441,7 +457,7 @@ class _Signals:
 
 
 def _print_summary(paths: RunPaths) -> None:
-    rows = read_metrics(paths.metrics)
+    rows = [r for r in read_metrics(paths.metrics) if "train_rollouts/rewards" in r]
     if not rows:
         return
     first, last = rows[0], rows[-1]

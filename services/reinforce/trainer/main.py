@@ -29,6 +29,7 @@ from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.trackers import Trackers
 from reinforce.core.weights import WeightServer, publish
 from reinforce.trainer.algorithms import build_algorithm
 from reinforce.trainer.backends import build_backend
@@ -38,6 +39,7 @@ from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import PromptFeeder
 from reinforce.trainer.plot import plot_metrics
+from reinforce.trainer.validation import Validator
 
 log = logging.getLogger("reinforce.trainer")
 # How each step metric combines across data-parallel ranks (the rest are averaged).
@@ -80,7 +82,7 @@ class Trainer:
         self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
         self.queue.ensure_groups()
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
-        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line).prompts
+        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
         self.feeder = PromptFeeder(
             spec, PromptCursor(prompts, spec.seed, spec.data.shuffle), self.tokenizer, self.queue
         )
@@ -89,6 +91,12 @@ class Trainer:
             spec, self.queue, self.consumer, self.ranks.world, self.feeder.prompt_of, self.stopping
         )
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
+        self.validator: Validator | None = None
+        if spec.data.validation_prompts and self.ranks.is_main:
+            self.validator = Validator(
+                spec, self.tokenizer, self.queue, self.backend, self.paths, self.consumer, self.stopping
+            )
+        self.trackers: Trackers | None = None  # opened by resume_if_possible, once the step is known
         self.step = 0
         self.weights_base_url: str | None = None  # set by serve_weights (weights.transport http)
 
@@ -109,6 +117,16 @@ class Trainer:
             _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
             _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
             self.metrics.reopen()  # it appended to the file that the rewrite replaced
+            if self.spec.logging.trackers:
+                self.trackers = Trackers(
+                    self.spec.logging.trackers,
+                    self.paths.root,
+                    self.spec.model_dump(mode="json"),
+                    self.spec.name,
+                    self.spec.logging.project,
+                    resume_step=self.step,
+                    earlier_rows=read_metrics(self.paths.metrics),
+                )
 
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
@@ -117,17 +135,34 @@ class Trainer:
         if stale:
             self.queue.ack_rollouts([entry_id for entry_id, _ in stale])
             log.info("dropped %d rollout groups of an interrupted step", len(stale))
+        if self.validator is not None:
+            self.validator.discard_pending()
 
     def run(self) -> None:
         if self.ranks.is_main:
             self.publish_weights()
+            # The start's evaluation (step 0's row); a resumed run evaluated its checkpoint's version already.
+            if self.validator is not None and self.step == 0 and not _has_row(self.paths.metrics, 0):
+                self.feeder.fill_pipeline(0)  # the first step's generation overlaps the evaluation
+                self.validator.start(0)
+                self.record(0, self.validator.finish(0))
         while self.step < self.spec.training.steps and not self.stopping.is_set():
             self.train_step()
             last = self.step == self.spec.training.steps
             if self.ranks.is_main and (self.step % self.spec.training.checkpoint_every == 0 or last):
                 self.checkpoint()
+                if self.trackers is not None:
+                    self.trackers.durable(self.step)  # rows a resume will never redo
         if self.step == self.spec.training.steps and self.ranks.is_main:
             self.finish()
+        if self.trackers is not None:
+            self.trackers.close()
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """One metrics.jsonl row, also to every tracker."""
+        self.metrics.record(step, values)
+        if self.trackers is not None:
+            self.trackers.log(step, values)
 
     def serve_weights(self, host: str, port: int, advertise_host: str, token: str | None) -> None:
         """weights.transport http: generators stream each version from this trainer's weight endpoint."""
@@ -138,12 +173,9 @@ class Trainer:
 
     def publish_weights(self) -> float:
         start = time.perf_counter()
+        tensors, metadata = self.backend.weights_to_publish()
         weights = publish(
-            self.backend.publishable_model(),
-            self.paths.weights,
-            self.step,
-            self.spec.weights.keep_versions,
-            self.weights_base_url,
+            tensors, self.paths.weights, self.step, self.spec.weights.keep_versions, self.weights_base_url, metadata
         )
         self.queue.publish_weights(weights)
         return time.perf_counter() - start
@@ -156,7 +188,7 @@ class Trainer:
         log.info("checkpoint %s", path)
 
     def finish(self) -> None:
-        self.backend.publishable_model().save_pretrained(self.paths.final_model)
+        self.backend.save_final(self.paths.final_model)
         self.tokenizer.save_pretrained(self.paths.final_model)
         plot_metrics(self.paths.metrics, self.paths.plot)
         log.info("final model in %s", self.paths.final_model)
@@ -173,6 +205,12 @@ class Trainer:
         trained = self.step
         self.step += 1
         values["timers/weight_publish"] = self.publish_weights() if self.ranks.is_main else 0.0
+        evaluate = self.validator is not None and self.validator.due(self.step)
+        if evaluate:
+            # the next step's prompts first: generators sample them while this rank waits for the evaluation
+            if self.step < self.spec.training.steps:
+                self.feeder.fill_pipeline(self.step)
+            self.validator.start(self.step)
         self.ranks.barrier()
         # Acknowledge only once the step's effect (the new weights) is written.
         self.queue.ack_rollouts(entry_ids)
@@ -185,7 +223,9 @@ class Trainer:
             return
         trained_ids = [f"{trained}-{i}" for i in indices]
         _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": trained_ids})
-        self.metrics.record(self.step, values)
+        if evaluate:
+            values.update(self.validator.finish(self.step))
+        self.record(self.step, values)
         log.info(
             "step %d reward %.4f kl %.4f loss %.4f",
             self.step,
@@ -241,6 +281,10 @@ def _truncate_jsonl(path: Path, keep_through_step: int) -> None:
         rows = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
         # By rename, so that a crash mid-rewrite cannot lose the rows kept (the metrics writer then reopens it).
         write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _has_row(path: Path, step: int) -> bool:
+    return any(r["step"] == step for r in read_metrics(path))
 
 
 def _mean(values: list[float] | list[int]) -> float:

@@ -16,14 +16,21 @@ PANELS = (
     ("train_rollouts/rewards_with_kl", "reward - beta * KL"),
     ("train_rollouts/init_policy_kl", "KL to reference"),
 )
+# Validation curves drawn on the panel of their training counterpart (rows of evaluation steps only).
+VALIDATION_OF = {"train_rollouts/rewards": "val/rewards", "train_rollouts/init_policy_kl": "val/init_policy_kl"}
 
 
 def plot_metrics(jsonl_path: Path, png_path: Path) -> None:
     rows = read_metrics(jsonl_path)
-    steps = [r[STEP] for r in rows]
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2), constrained_layout=True)
     for ax, (name, title) in zip(axes, PANELS, strict=True):
-        ax.plot(steps, [r.get(name) for r in rows], marker=".")
+        train = [r for r in rows if r.get(name) is not None]
+        ax.plot([r[STEP] for r in train], [r[name] for r in train], marker=".", label="train")
+        val_name = VALIDATION_OF.get(name)
+        val = [r for r in rows if val_name and r.get(val_name) is not None]
+        if val:
+            ax.plot([r[STEP] for r in val], [r[val_name] for r in val], marker="o", label="validation")
+            ax.legend(fontsize="small")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -35,8 +35,15 @@ class GenerationEngine(ABC):
         self.num_samples = num_samples
 
     @abstractmethod
-    def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[list[SampledSequence]]:
-        """For each prompt (token ids), `num_samples` responses drawn under the prompt's seed."""
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        num_samples: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[SampledSequence]]:
+        """For each prompt (token ids), `num_samples` (default: the engine's k) responses drawn under the prompt's
+        seed at `temperature` (default: generation.temperature; 0: greedy, the likeliest token each time)."""
 
     @abstractmethod
     def load_weights(self, path: Path) -> None:

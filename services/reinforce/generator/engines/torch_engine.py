@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into
 from reinforce.core.models import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec
-from reinforce.core.weights import module_loader
+from reinforce.core.weights import WeightError, module_loader
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 
 
@@ -30,12 +32,33 @@ class TorchEngine(GenerationEngine):
         self.tokenizer = load_tokenizer(policy_dir)
         self.model = load_policy(policy_dir)  # weight version 0
         self._load = module_loader(self.model)
+        self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 
-    def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[list[SampledSequence]]:
-        return sample(self.model, self.tokenizer, prompts, self.num_samples, self.generation, seeds)
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        num_samples: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[SampledSequence]]:
+        k = self.num_samples if num_samples is None else num_samples
+        return sample(self.model, self.tokenizer, prompts, k, self.generation, seeds, temperature)
 
     def load_weights(self, path: Path) -> None:
-        self._load(path)
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != LORA_FORMAT:
+                self._load(path)
+                return
+            adapters = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        # LoRA: only adapters travel; the base weights are the ones this engine started with (weight version 0)
+        params = dict(self.model.named_parameters())
+        for module in adapted_modules(adapters):
+            if module not in self._lora_base:
+                if f"{module}.weight" not in params:
+                    raise WeightError(f"{path}: adapter for {module!r}, which the model does not have")
+                self._lora_base[module] = params[f"{module}.weight"].detach().clone()
+        merge_into(self.model, adapters, float(metadata["lora_scaling"]), self._lora_base)
 
 
 @dataclass
@@ -65,8 +88,15 @@ def sample(
     num_samples: int,
     gen: GenerationSpec,
     seeds: list[int],
+    temperature: float | None = None,
 ) -> list[list[SampledSequence]]:
-    """For each prompt, `num_samples` responses; prompt i's rows draw from a generator seeded by seeds[i]."""
+    """For each prompt, `num_samples` responses; prompt i's rows draw from a generator seeded by seeds[i].
+
+    `temperature` overrides gen.temperature (validation); 0 is greedy: the likeliest token each time, its
+    log-prob recorded from the unscaled distribution.
+    """
+    temperature = gen.temperature if temperature is None else temperature
+    greedy = temperature == 0
     _check_inputs(model, prompts, num_samples, gen, seeds)
     device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -77,8 +107,11 @@ def sample(
     logits, attention, positions = _prefill(model, prompts, num_samples, pad, cache)
     rows = _Rows.start(logits.shape[0], device)
     for step in range(gen.max_new_tokens):
-        scaled = logits.float() / gen.temperature
-        tokens = _draw(_filter(scaled, gen.top_k, gen.top_p), generators, num_samples)
+        scaled = logits.float() / (1.0 if greedy else temperature)
+        if greedy:
+            tokens = scaled.argmax(dim=-1)
+        else:
+            tokens = _draw(_filter(scaled, gen.top_k, gen.top_p), generators, num_samples)
         _record(rows, tokens, torch.log_softmax(scaled, dim=-1), eos, tokenizer, gen.stop_strings)
         if not rows.active.any() or step == gen.max_new_tokens - 1:
             break

@@ -54,6 +54,14 @@ class TrainerBackend(ABC):
     def publishable_model(self) -> torch.nn.Module:
         """The policy as the Hugging Face model whose safetensors the generators load."""
 
+    def weights_to_publish(self) -> tuple[torch.nn.Module | dict[str, torch.Tensor], dict[str, str]]:
+        """(what a weight version holds, safetensors metadata): the whole policy by default; LoRA: the adapters."""
+        return self.publishable_model(), {}
+
+    def save_final(self, folder: Path) -> None:
+        """The trained policy in Hugging Face form (the run's final_model/)."""
+        self.publishable_model().save_pretrained(folder)
+
     @abstractmethod
     def save_state(self, folder: Path) -> None:
         """Model, optimizer and schedule into `folder` (safetensors; torch files read back with weights_only)."""

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
+from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
 from reinforce.core.models import load_policy, response_logprobs
-from reinforce.core.spec import TrainingSpec
+from reinforce.core.spec import LoraSpec, TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.distributed import Ranks
 
@@ -20,12 +21,20 @@ class TorchBackend(TrainerBackend):
     def __init__(self, training: TrainingSpec, policy_dir: Path, ranks: Ranks) -> None:
         self.training = training
         self.ranks = ranks
+        self.policy_dir = policy_dir
         self.policy = load_policy(policy_dir).train()
-        # The reference is always the initial policy, also after a resume.
-        self.reference = load_policy(policy_dir).requires_grad_(False)
+        self.peft = None
+        if training.lora is not None:
+            # LoRA: PEFT injects adapters into self.policy in place; the reference is the same model with the
+            # adapters disabled, so there is no second copy of the weights.
+            self.peft = _with_lora(self.policy, training.lora)
+            self.reference = None
+        else:
+            # The reference is always the initial policy, also after a resume.
+            self.reference = load_policy(policy_dir).requires_grad_(False)
         t = training
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
+            self.trainable_parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
 
@@ -38,14 +47,20 @@ class TorchBackend(TrainerBackend):
     def reference_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> torch.Tensor:
+        if self.peft is not None:
+            with self.peft.disable_adapter():
+                return response_logprobs(self.policy, prompt_ids, response_ids, temperature)[0]
         return response_logprobs(self.reference, prompt_ids, response_ids, temperature)[0]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> tuple[float, float]:
-        self.ranks.sum_gradients(self.policy.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.training.max_grad_norm)
+        self.ranks.sum_gradients(self.trainable_parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.training.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -53,6 +68,23 @@ class TorchBackend(TrainerBackend):
 
     def publishable_model(self) -> torch.nn.Module:
         return self.policy
+
+    def weights_to_publish(self) -> tuple[torch.nn.Module | dict[str, torch.Tensor], dict[str, str]]:
+        if self.peft is None:
+            return self.policy, {}
+        return lora_tensors(self.policy), {"format": LORA_FORMAT, "lora_scaling": repr(self.lora_scaling())}
+
+    def lora_scaling(self) -> float:
+        return self.training.lora.alpha / self.training.lora.rank
+
+    def save_final(self, folder: Path) -> None:
+        if self.peft is None:
+            self.policy.save_pretrained(folder)
+            return
+        self.peft.save_pretrained(folder / "adapter")  # the adapter alone (PEFT's format)
+        merged = load_policy(self.policy_dir)
+        merge_into(merged, lora_tensors(self.policy), self.lora_scaling())
+        merged.save_pretrained(folder)  # merged: a plain Hugging Face model
 
     def save_state(self, folder: Path) -> None:
         save_model(self.policy, str(folder / "model.safetensors"))
@@ -64,3 +96,28 @@ class TorchBackend(TrainerBackend):
         state = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _with_lora(model: torch.nn.Module, lora: LoraSpec):  # a peft.PeftModel
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    output = model.get_output_embeddings()
+    output_names = {name for name, module in model.named_modules() if module is output}
+    if tied and any(t in output_names or t.split(".")[-1] in output_names for t in lora.target_modules):
+        # the generators merge adapters into the weights, and a tied output layer's weight is the input embedding's
+        raise ValueError(
+            f"training.lora.target_modules names the output layer {sorted(output_names)}, whose weight is tied to the "
+            "input embeddings: leave it out"
+        )
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RuntimeError("training.lora needs PEFT: pip install 'reinforce-k8s[lora]'") from None
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)

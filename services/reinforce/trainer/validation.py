@@ -1,0 +1,164 @@
+"""Validation: the trainer's main rank evaluates weight versions on data.validation_prompts.
+
+An evaluation of version v enqueues the validation prompts (kind VALIDATION, ids "val-<v>-<i>", one response
+each at validation.temperature, 0 greedy) into the same prompts stream, so the same generators sample them with
+version v and the same reward server scores them. Generators push their groups onto the run's validation
+stream, which only this class reads: a validation group can never be trained on, and never enters
+trained_groups.jsonl. The trainer enqueues the next step's training prompts first and then waits only for the
+evaluation, so a step is held up by at most the evaluation's time, while the generators also sample the next
+step. The metrics (`val/...`) go into the row of step v; a few responses go to validation/step-NNNNNN.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from reinforce.core.data import read_prompt_file
+from reinforce.core.models import encode_prompt_checked
+from reinforce.core.queue import RolloutQueue
+from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import RunSpec
+from reinforce.trainer.algorithms.reinforce import sequence_kl
+from reinforce.trainer.backends.base import TrainerBackend
+from reinforce.trainer.feed import prompt_seed
+
+log = logging.getLogger("reinforce.trainer")
+
+
+def validation_prompt_id(version: int, index: int) -> str:
+    return f"val-{version}-{index}"
+
+
+class Validator:
+    def __init__(
+        self,
+        spec: RunSpec,
+        tokenizer: PreTrainedTokenizerBase,
+        queue: RolloutQueue,
+        backend: TrainerBackend,
+        paths: RunPaths,
+        consumer: str,
+        stopping: threading.Event,
+    ) -> None:
+        assert spec.data.validation_prompts is not None
+        self.spec = spec
+        self.queue = queue
+        self.backend = backend
+        self.paths = paths
+        self.consumer = consumer
+        self.stopping = stopping
+        texts = read_prompt_file(spec.data.validation_prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
+        self.prompts: list[tuple[str, list[int]]] = []
+        for text in texts:
+            if len(self.prompts) == spec.validation.num_prompts:
+                break
+            ids, _ = encode_prompt_checked(tokenizer, text, spec.data)
+            if ids is not None:  # on_long_prompt skip: the next one instead
+                self.prompts.append((str(text), ids))
+        self.started: dict[int, float] = {}
+
+    def due(self, step: int) -> bool:
+        """At the start, every training.val_every steps, and at the end."""
+        every = self.spec.training.val_every
+        return step == 0 or step == self.spec.training.steps or (every > 0 and step % every == 0)
+
+    def start(self, version: int) -> None:
+        """Enqueue the validation prompts for weight version `version` (already published)."""
+        v = self.spec.validation
+        prompts = [
+            Prompt(
+                id=validation_prompt_id(version, i),
+                step=version,
+                policy_version=version,
+                text=text,
+                token_ids=ids,
+                num_samples=1,
+                # the same seed at every evaluation: sampled validation compares versions on equal terms
+                seed=prompt_seed(self.spec.seed, f"val-{i}"),
+                kind=PromptKind.VALIDATION,
+                temperature=v.temperature,
+            )
+            for i, (text, ids) in enumerate(self.prompts)
+        ]
+        self.queue.put_prompts(prompts)
+        self.started[version] = time.perf_counter()
+
+    def finish(self, version: int) -> dict[str, float]:
+        """Wait for the evaluation of `version`; its metrics. Writes the response table."""
+        wanted = {validation_prompt_id(version, i): i for i in range(len(self.prompts))}
+        groups: dict[str, RolloutGroup] = {}
+        entry_ids: list[str] = []
+        while len(groups) < len(wanted):
+            if self.stopping.is_set():
+                raise SystemExit(0)
+            for entry_id, group in self.queue.read_validation(self.consumer, count=len(wanted), block_ms=1000):
+                entry_ids.append(entry_id)
+                if group.prompt_id in wanted and group.policy_version == version:
+                    groups.setdefault(group.prompt_id, group)
+                else:
+                    log.warning("dropping stale or duplicate validation group %s", group.prompt_id)
+        ordered = sorted(groups.values(), key=lambda g: wanted[g.prompt_id])
+        values = self.score(ordered)
+        self.write_table(version, ordered)
+        self.queue.ack_validation(entry_ids)
+        values["timers/validation"] = time.perf_counter() - self.started.pop(version)
+        log.info("validation of version %d: reward %.4f kl %.4f", version, values["val/rewards"],
+                 values["val/init_policy_kl"])  # fmt: skip
+        return values
+
+    @torch.no_grad()
+    def score(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        samples = [(g, s) for g in groups for s in g.samples]
+        rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float64)
+        finite = torch.isfinite(rewards)
+        with_tokens = [(g, s) for g, s in samples if len(s.token_ids)]
+        kl = 0.0
+        if with_tokens:
+            prompts = [list(g.prompt_token_ids) for g, _ in with_tokens]
+            responses = [list(s.token_ids) for _, s in with_tokens]
+            temperature = self.spec.generation.temperature
+            logprobs, mask = self.backend.policy_logprobs(prompts, responses, temperature)
+            ref = self.backend.reference_logprobs(prompts, responses, temperature)
+            a = self.spec.algorithm
+            per_sample = sequence_kl(logprobs.detach(), ref, mask, a.kl_estimator, a.use_absolute_kl)
+            kl = per_sample.sum().item() / len(samples)  # an empty response's KL is 0
+        return {
+            "val/rewards": rewards[finite].mean().item() if finite.any() else float("nan"),
+            "val/response_lengths": sum(len(s.token_ids) for _, s in samples) / len(samples),
+            "val/init_policy_kl": kl,
+            "val/fraction_of_samples_properly_ended": sum(s.is_end for _, s in samples) / len(samples),
+        }
+
+    def write_table(self, version: int, groups: list[RolloutGroup]) -> None:
+        n = self.spec.validation.num_logged_responses
+        if n == 0:
+            return
+        self.paths.validation.mkdir(parents=True, exist_ok=True)
+        rows = [
+            {
+                "step": version,
+                "prompt_id": g.prompt_id,
+                "prompt": g.prompt_text,
+                "response": s.text,
+                "reward": s.reward,
+                "response_tokens": len(s.token_ids),
+                "is_end": s.is_end,
+            }
+            for g in groups
+            for s in g.samples
+        ][:n]
+        path = self.paths.validation / f"step-{version:06d}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def discard_pending(self) -> None:
+        """Validation groups delivered to an earlier life of this trainer: that evaluation is redone."""
+        stale = self.queue.read_validation(self.consumer, count=100_000, block_ms=0, pending=True)
+        if stale:
+            self.queue.ack_validation([entry_id for entry_id, _ in stale])
