@@ -29,4 +29,10 @@ class Service:
 REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
 GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="port")
 TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
-SERVICES = {names.COMPONENT_REWARD: REWARD, names.COMPONENT_GENERATOR: GENERATOR, names.COMPONENT_TRAINER: TRAINER}
+CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port")
+SERVICES = {
+    names.COMPONENT_REWARD: REWARD,
+    names.COMPONENT_GENERATOR: GENERATOR,
+    names.COMPONENT_TRAINER: TRAINER,
+    names.COMPONENT_CRITIC: CRITIC,
+}

@@ -1,8 +1,9 @@
 """`reinforce`: the command line. `reinforce run SPEC.yaml` runs a whole pipeline on this machine.
 
 The local supervisor starts the same services a Kubernetes run has, as child processes: redis-server, the
-Triton reward server, N generators and the trainer. It drives weight rollout with the same reconciler the
-operator uses, shows progress, and stops every child when the run ends, fails, or on Ctrl-C.
+Triton reward server, the critic (algorithm.name ppo), N generators and the trainer. It drives weight rollout
+with the same reconciler the operator uses, shows progress, and stops every child when the run ends, fails, or
+on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
+    COMPONENT_CRITIC,
     COMPONENT_GENERATOR,
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
@@ -155,10 +157,11 @@ class Supervisor:
     def service_argv(self, service: launch.Service, **flags: object) -> list[str]:
         return service.command(sys.executable, str(self.paths.spec), **flags)
 
-    def trainer_argv(self) -> list[str]:
+    def trainer_argv(self, critic_url: str | None) -> list[str]:
         metrics_port = free_port()
         self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
-        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port)
+        flags = {"critic_url": critic_url} if critic_url else {}
+        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port, **flags)
         ranks = self.spec.training.num_ranks
         if ranks == 1:
             return argv
@@ -194,6 +197,15 @@ class Supervisor:
         self.wait_until(c, lambda: _http_ok(url + launch.REWARD.ready_path))
         return url
 
+    def start_critic(self) -> str:
+        """PPO's critic service; its port also serves its metrics."""
+        port = free_port()
+        self.add_scrape_target(COMPONENT_CRITIC, "critic", port)
+        c = self.component(COMPONENT_CRITIC, self.service_argv(launch.CRITIC, port=port))
+        url = f"http://127.0.0.1:{port}"
+        self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
+        return url
+
     def start_generators(self, reward_url: str) -> dict[str, str]:
         urls = {}
         for i in range(self.spec.generation.num_generators):
@@ -221,8 +233,9 @@ class Supervisor:
         self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
         self.start_redis()
         reward_url = self.start_reward()
+        critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
         generator_urls = self.start_generators(reward_url)
-        trainer = self.component("trainer", self.trainer_argv())
+        trainer = self.component("trainer", self.trainer_argv(critic_url))
         reconciler = WeightReconciler(
             RolloutQueue(connect(self.env[REDIS_URL_ENV]), self.spec.name), generator_urls, self.env[CONTROL_TOKEN_ENV]
         )
@@ -268,7 +281,7 @@ class Supervisor:
         )
 
     def stop(self) -> None:
-        # trainer first (it checkpoints), then generators, reward server, Redis last
+        # trainer first (it checkpoints), then generators, the critic, reward server, Redis last
         for c in reversed(self.components):
             c.stop()
         # A stopped run has nothing to scrape (and no alert should report its processes as down).
