@@ -7,6 +7,9 @@ import signal
 from pathlib import Path
 
 import pytest
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
 from runs import (
     BASELINE_TRAINING,
     assert_each_step_trained_once,
@@ -18,9 +21,6 @@ from runs import (
     wait_for_step,
     write_spec,
 )
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
 
 pytestmark = pytest.mark.slow
 STEPS = BASELINE_TRAINING["steps"]
