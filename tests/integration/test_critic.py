@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,19 +14,19 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-import _scratch_paths
 import httpx
 import pytest
 import torch
 import uvicorn
+import yaml
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV
-from reinforce.core.spec import PolicySpec, RandomInit
+from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
 from reinforce.critic.api import Minibatch
 from reinforce.critic.client import CriticClient, CriticError
-from reinforce.critic.server import Critic, CriticConfig, create_app, list_checkpoints, main, parse_args
+from reinforce.critic.server import Critic, CriticConfig, create_app, list_checkpoints, main
 from reinforce.critic.value_model import load_value_model, response_values
 
 TOKEN = "critic-test-token"
@@ -49,7 +51,9 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def config(policy_dir: Path, tmp_path: Path) -> CriticConfig:
     # a learning rate that moves a tiny model visibly in a few steps; micro-batches of 2 so they are exercised
-    return CriticConfig(model=policy_dir, checkpoints=tmp_path / "checkpoints", lr=1e-2, micro_batch_size=2)
+    return CriticConfig(
+        model=policy_dir, checkpoints=tmp_path / "checkpoints", critic=CriticSpec(lr=1e-2, micro_batch_size=2)
+    )
 
 
 @contextmanager
@@ -308,13 +312,12 @@ def test_init_from_a_reward_model_needs_one_label(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_client_rides_out_a_killed_and_restarted_critic(policy_dir: Path, tmp_path: Path) -> None:
+def test_client_rides_out_a_killed_and_restarted_critic(tmp_path: Path) -> None:
     """The command line service in its own process: killed with SIGKILL, restarted, resumed from its checkpoint."""
     port = free_port()
-    argv, env = _scratch_paths.module_command("reinforce.critic")
-    argv += ["--model", str(policy_dir), "--checkpoints", str(tmp_path / "ckpt"), "--port", str(port)]
-    argv += ["--lr", "1e-2", "--max-grad-norm", "0.5", "--value-clip", "0.3"]
-    env = {**env, CONTROL_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"}
+    spec = write_run_spec(tmp_path, {"lr": 1e-2, "max_grad_norm": 0.5, "value_clip": 0.3})
+    argv = [sys.executable, "-m", "reinforce.critic", "--spec", str(spec), "--port", str(port)]
+    env = {**os.environ, CONTROL_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"}
     started: list[subprocess.Popen[bytes]] = []
 
     def start() -> subprocess.Popen[bytes]:
@@ -350,12 +353,43 @@ def test_client_rides_out_a_killed_and_restarted_critic(policy_dir: Path, tmp_pa
             assert proc.returncode in (0, -signal.SIGTERM), proc.stderr.read().decode() if proc.stderr else ""
 
 
-def test_command_line_defaults_are_the_config_defaults() -> None:
-    parsed = parse_args(["--model", "m", "--checkpoints", "c"])
-    assert parsed == CriticConfig(model=Path("m"), checkpoints=Path("c"))
+def write_run_spec(folder: Path, critic: dict) -> Path:
+    """A run spec of the tiny model whose run folder is `folder`/run, with this `critic` section."""
+    spec = parse_spec(
+        {
+            "name": "critic-test",
+            "run_dir": str(folder / "run"),
+            "policy": {"random_init": TINY.model_dump()},
+            "data": {"prompts": str(folder / "prompts.txt")},
+            "algorithm": {"name": "ppo"},
+            "critic": critic,
+        }
+    )
+    path = folder / "spec.yaml"
+    path.write_text(dump_spec(spec))
+    return path
 
 
-def test_command_line_needs_a_token(policy_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_from_the_run_spec(tmp_path: Path) -> None:
+    spec = parse_spec(yaml.safe_load(write_run_spec(tmp_path, {"lr": 1e-3}).read_text()))
+    config = CriticConfig.from_spec(spec, port=1234)
+    assert config.model == tmp_path / "run" / "initial_policy"
+    assert config.checkpoints == tmp_path / "run" / "critic_checkpoints"
+    assert (config.critic.lr, config.critic.weight_decay, config.port) == (1e-3, 0.1, 1234)
+    assert config.keep_checkpoints == spec.training.keep_checkpoints
+
+
+def test_command_line_needs_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CONTROL_TOKEN_ENV, raising=False)
     with pytest.raises(SystemExit, match=CONTROL_TOKEN_ENV):
-        main(["--model", str(policy_dir), "--checkpoints", str(tmp_path)])
+        main(["--spec", str(write_run_spec(tmp_path, {}))])
+
+
+def test_restore_of_step_zero_without_a_checkpoint_is_the_fresh_critic(config: CriticConfig) -> None:
+    """A trainer that starts over before its first checkpoint takes the critic back to its start."""
+    with serving(Critic(config)) as client:
+        client.train([minibatch(PROMPTS, RESPONSES, 1.0, [[0.0] * len(r) for r in RESPONSES])])
+        client.checkpoint(3)
+        assert client.restore(0).train_steps == 0
+        assert client.values(PROMPTS, RESPONSES) == [[0.0] * 3, [], [0.0] * 5]
+    assert list_checkpoints(config.checkpoints) == []

@@ -20,6 +20,8 @@ COMPONENT_TRAINER = "trainer"
 COMPONENT_CRITIC = "critic"  # PPO only (algorithm.name ppo)
 COMPONENTS = (COMPONENT_REDIS, COMPONENT_REWARD, COMPONENT_GENERATOR, COMPONENT_TRAINER, COMPONENT_CRITIC)
 
+CRITIC_PORT = 5556  # the critic service's default port (NeMo-Aligner's)
+
 # --- the reward model on Triton -------------------------------------------------------------------------------
 REWARD_MODEL = "reward"
 REWARD_INPUT_PROMPT = "prompt"

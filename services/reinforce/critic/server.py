@@ -54,7 +54,7 @@ from starlette.concurrency import run_in_threadpool
 
 from reinforce.core.metrics import CriticMetrics
 from reinforce.core.models import materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV, HEALTH_PATH, METRICS_PATH, READY_PATH
+from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_PORT, HEALTH_PATH, METRICS_PATH, READY_PATH
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CriticSpec, RunSpec, load_spec
 from reinforce.critic.api import (
@@ -76,7 +76,6 @@ from reinforce.critic.value_model import load_value_model, response_values
 from reinforce.trainer.algorithms.ppo import critic_loss
 
 log = logging.getLogger("reinforce.critic")
-DEFAULT_PORT = 5556  # NeMo-Aligner's critic port
 Body = TypeVar("Body", bound=BaseModel)
 PATHS = (VALUES_PATH, TRAIN_PATH, CHECKPOINT_PATH, RESTORE_PATH, HEALTH_PATH, READY_PATH, METRICS_PATH)
 
@@ -90,13 +89,13 @@ class CriticConfig:
     critic: CriticSpec = field(default_factory=CriticSpec)
     keep_checkpoints: int = 2  # newest checkpoints kept (the trainer's training.keep_checkpoints)
     host: str = "127.0.0.1"  # loopback unless asked: the bearer token is the only authentication
-    port: int = DEFAULT_PORT
+    port: int = CRITIC_PORT
     seed: int = 0  # torch's RNG at start (dropout, if the model has any); a resume restores the saved state
     device: str = "cpu"
 
     @classmethod
     def from_spec(
-        cls, spec: RunSpec, port: int = DEFAULT_PORT, host: str = "127.0.0.1", device: str = "cpu"
+        cls, spec: RunSpec, port: int = CRITIC_PORT, host: str = "127.0.0.1", device: str = "cpu"
     ) -> CriticConfig:
         paths = RunPaths(spec.resolved_run_dir())
         c = spec.critic
@@ -421,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reinforce.critic", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
     parser.add_argument("--host", default="127.0.0.1", help="Bind address (default: loopback only).")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--port", type=int, default=CRITIC_PORT)
     parser.add_argument("--device", default="cpu", help="torch device of the value model (cpu, cuda, ...).")
     args = parser.parse_args(argv)
     token = os.environ.get(CONTROL_TOKEN_ENV)

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per critic request
     ranks = Ranks.from_environment()
     spec = load_spec(args.spec)
     trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)
