@@ -19,6 +19,7 @@ Kubernetes restarts it) rather than train on with a critic from another history.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,17 +86,15 @@ class PPO(Algorithm):
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
         alg = self.spec.algorithm
         start = time.perf_counter()
-        rollout, timers, mismatch = self.rollout(batch, backend, version)
+        rollout, timers, mismatch = self.rollout(batch, backend)
         minibatches = self.minibatches(len(rollout.response_ids), version)
         # a minibatch without a single kept response token gives the critic nothing to learn
         critic_batches = [self.critic_minibatch(rollout, rows) for rows in minibatches if rollout.mask[rows].any()]
-        critic_update = self.pool.submit(self.critic.train, critic_batches)
+        critic_update = self.pool.submit(self.train_critic, critic_batches)
         actor = [self.actor_step(backend, rollout, rows) for rows in minibatches]
         wait_start = time.perf_counter()
-        critic = critic_update.result()
+        critic_loss, critic_grad_norm = critic_update.result()
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
-        self.critic_steps += len(critic_batches)
-        self.check_critic_steps(critic.train_steps)
 
         mask = rollout.mask.bool()
         sample_kl = masked_mean(rollout.kl, mask)[batch.keep.reshape(-1)]
@@ -108,14 +107,23 @@ class PPO(Algorithm):
             "train_rollouts/values": rollout.values[mask].mean().item(),
             "train_rollouts/logprob_mismatch": mismatch,
             **_mean_of(actor),
-            "train_optim/critic_loss": critic.critic_loss,
-            "train_optim/critic_grad_norm": critic.grad_norm,
+            "train_optim/critic_loss": critic_loss,
+            "train_optim/critic_grad_norm": critic_grad_norm,
             **timers,
             "timers/train_time": time.perf_counter() - start - timers["timers/init_logprobs"],
         }
 
+    def train_critic(self, minibatches: list[Minibatch]) -> tuple[float, float]:
+        """The critic's steps on the minibatches (none when every sample was dropped): (loss, gradient norm)."""
+        if not minibatches:
+            return math.nan, math.nan
+        result = self.critic.train(minibatches)
+        self.critic_steps += len(minibatches)
+        self.check_critic_steps(result.train_steps)
+        return result.critic_loss, result.grad_norm
+
     @torch.no_grad()
-    def rollout(self, batch: StepBatch, backend: TrainerBackend, version: int) -> tuple[Rollout, dict, float]:
+    def rollout(self, batch: StepBatch, backend: TrainerBackend) -> tuple[Rollout, dict[str, float], float]:
         """Steps 1 and 2: log-probs and values of the whole batch, then rewards, GAE, returns and whitening."""
         alg, temperature = self.spec.algorithm, self.spec.generation.temperature
         prompt_ids, response_ids = token_lists(batch.groups)
