@@ -1,5 +1,6 @@
-"""PPO's step (ppo_trainer.py) on a tiny policy with a critic that answers from memory: what it sends the critic,
-what it reports, and that it stops when the critic lost steps."""
+"""Whole optimisation steps of the algorithms on a tiny policy: REINFORCE with each advantage estimator (micro-batching
+changes nothing), and PPO (ppo_trainer.py) with a critic that answers from memory: what it sends the critic, what it
+reports, and that it stops when the critic lost steps."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 from reinforce.core.metrics import STEP_METRICS
 from reinforce.core.models import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
-from reinforce.core.spec import PolicySpec, RandomInit, parse_spec
+from reinforce.core.spec import PolicySpec, RandomInit, RunSpec, parse_spec
 from reinforce.critic.api import CheckpointResponse, Minibatch, ReadyResponse, TrainResponse
 from reinforce.critic.client import CriticError
 from reinforce.trainer.algorithms.ppo_trainer import PPO
+from reinforce.trainer.algorithms.reinforce import Reinforce
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.distributed import Ranks
@@ -53,29 +55,55 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return materialize_policy(PolicySpec(random_init=init), tmp_path_factory.mktemp("ppo") / "policy", seed=0)
 
 
-def ppo_spec():
+def spec_with(algorithm: dict, micro_batch_prompts: int = 1) -> RunSpec:
     return parse_spec(
         {
             "name": "t",
             "policy": {"random_init": {}},
             "data": {"prompts": "p.txt"},
-            "algorithm": {"name": "ppo", "num_rollouts_per_prompt": K, "ppo_epochs": 2, "num_minibatches": 2},
-            "training": {"prompts_per_step": PROMPTS, "micro_batch_prompts": 1, "lr": 1e-2},
+            "algorithm": {"num_rollouts_per_prompt": K, **algorithm},
+            "training": {"prompts_per_step": PROMPTS, "micro_batch_prompts": micro_batch_prompts, "lr": 1e-2},
         }
     )
 
 
+def ppo_spec() -> RunSpec:
+    return spec_with({"name": "ppo", "ppo_epochs": 2, "num_minibatches": 2})
+
+
 def step_batch() -> StepBatch:
-    """Responses of different lengths (one empty), rewards in [0, 1], one non-finite reward."""
+    """Responses of different lengths (one empty), rewards in [0, 1], one non-finite reward, one unended sample."""
     groups = []
     for g in range(PROMPTS):
         samples = [
-            Sample(token_ids=[5 + g, 6, 7][: (g + i) % 4], logprobs=[0.0] * ((g + i) % 4), reward=0.25 * (g + i))
+            Sample(
+                token_ids=[5 + g, 6, 7][: (g + i) % 4],
+                logprobs=[0.0] * ((g + i) % 4),
+                reward=0.25 * (g + i),
+                is_end=(g, i) != (3, 1),
+            )
             for i in range(K)
         ]
         groups.append(RolloutGroup(prompt_id=f"0-{g}", prompt_token_ids=[1, 8 + g], samples=samples))
     groups[1].samples[0].reward = float("nan")
     return StepBatch.from_groups(groups)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo", "reinforce_plus_plus"])
+def test_reinforce_step_is_the_same_whatever_the_micro_batch(policy_dir: Path, estimator: str) -> None:
+    """reinforce_plus_plus whitens over the whole batch (a pass without gradient first); the group estimators need
+    whole groups: either way one micro-batch per prompt trains like one for the whole step."""
+    weights, metrics = [], []
+    for micro in (1, PROMPTS):
+        spec = spec_with({"advantage_estimator": estimator}, micro_batch_prompts=micro)
+        backend = TorchBackend(spec.training, policy_dir, Ranks())
+        metrics.append(Reinforce(spec, Ranks()).update(step_batch(), backend, version=0))
+        weights.append(backend.policy.state_dict())
+    assert set(metrics[0]) <= set(STEP_METRICS)
+    assert metrics[0]["train_rollouts/advantages_abs"] > 0
+    assert metrics[0]["train_optim/loss"] == pytest.approx(metrics[1]["train_optim/loss"], abs=1e-6)
+    # different padding widths sum in another order; AdamW's step (lr 1e-2) divides that float noise by sqrt(v)
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
 
 
 def test_a_step_trains_actor_and_critic_on_the_same_minibatches(policy_dir: Path) -> None:
