@@ -108,10 +108,14 @@ def test_killed_critic_is_restarted_and_the_ppo_run_ends_exactly(tmp_path, tiny_
     steps (or a lost /v1/train answer), stops, is restarted and redoes the steps since its checkpoint."""
     proc = start("run", str(write_spec(tmp_path, "tiny-ppo", training=SHORT)))
     run_dir = tmp_path / "run"
-    killed_at = kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.critic")[0])
+    # two steps after a checkpoint: the restarted critic has lost two steps' updates, which the trainer must notice
+    step = SHORT["checkpoint_every"] + 2
+    killed_at = kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.critic")[0], step=step)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     assert "component critic exited with code -9; restart 1 of 3" in stderr
+    assert "component trainer exited with code 1; restart 1 of 3" in stderr
+    assert "restarted from an older checkpoint" in (RunPaths(run_dir).logs / "trainer.log").read_text()
     assert_each_step_trained_once(run_dir, STEPS)
     diff = max_weight_difference(tiny_ppo_baseline, run_dir)
     assert diff < 1e-6, f"critic killed after step {killed_at}: weights differ by {diff}"

@@ -14,14 +14,14 @@ for an optimizer, its state, a lock ordering train against infer, or an atomic c
 control plane of this pipeline is FastAPI too (same bearer token, probes and Prometheus endpoint).
 
 Endpoints (JSON bodies, see api.py; /v1/* need `Authorization: Bearer <token>`, checked before the body is read,
-and bodies are capped at --max-request-mb):
+and bodies are capped at critic.max_request_mb):
     POST /v1/values      prompt and response token ids -> V(s_t) for every response token, the state before it is
                          emitted (the positions of response_logprobs)
     POST /v1/train       minibatches of token ids, returns and old values -> one AdamW step per minibatch (value-
                          clipped loss of ppo.critic_loss, gradient clipping), the losses
-    POST /v1/checkpoint  {step}: model, optimizer and RNG into checkpoints/step-NNNNNN/, atomically
+    POST /v1/checkpoint  {step}: model, optimizer and RNG into critic_checkpoints/step-NNNNNN/, atomically
     POST /v1/restore     {step}: load that checkpoint and delete newer ones (a trainer resuming from an earlier
-                         step than the critic's latest)
+                         step than the critic's latest); step 0 without a checkpoint: the fresh critic
     GET  /healthz, /readyz, /metrics (Prometheus: reinforce_critic_*)
 On start the service loads the latest checkpoint in its folder, so a restarted critic continues exactly.
 One lock serialises everything that touches the model: a values request never sees half an optimizer step.

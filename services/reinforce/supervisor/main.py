@@ -120,11 +120,15 @@ def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
     reward = spec.reward
     if reward.path:
         reward = reward.model_copy(update={"path": local(reward.path)})
+    critic = spec.critic
+    if critic.reward_model_path:
+        critic = critic.model_copy(update={"reward_model_path": local(critic.reward_model_path)})
     return spec.model_copy(
         update={
             "run_dir": str(spec.resolved_run_dir().resolve()),
             "policy": policy,
             "reward": reward,
+            "critic": critic,
             "data": spec.data.model_copy(update={"prompts": local(spec.data.prompts)}),
         }
     )
