@@ -188,12 +188,12 @@ class PPO(Algorithm):
                 rollout.mask[part, columns], alg.ratio_eps, num_tokens, entropy, alg.entropy_bonus,
             )  # fmt: skip
             out.loss.backward()
-            tokens = float(rollout.mask[part].sum()) / max(num_tokens, 1)  # this part's share of the means
+            share = float(rollout.mask[part].sum()) / max(num_tokens, 1)  # this part's share of the token means
             sums["loss"] += out.loss.item()
-            sums["ppo_ratio"] += out.ppo_ratio.item() * tokens
-            sums["ppo_ratio_clamped"] += out.ppo_ratio_clamped.item() * tokens
-            sums["ppo_clip_fraction"] += out.clip_fraction.item() * tokens
-            sums["entropy"] += (out.entropy.item() if out.entropy is not None else 0.0) * tokens
+            sums["ppo_ratio"] += out.ppo_ratio.item() * share
+            sums["ppo_ratio_clamped"] += out.ppo_ratio_clamped.item() * share
+            sums["ppo_clip_fraction"] += out.clip_fraction.item() * share
+            sums["entropy"] += (out.entropy.item() if out.entropy is not None else 0.0) * share
         grad_norm, lr = backend.optimizer_step()
         return {
             "train_optim/actor_loss": sums["loss"],
