@@ -44,11 +44,17 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES_TEST = ALERTS_FILE.with_name("reinforce-rules.test.yaml")
 
 
+# The series a family is scraped as (a labelled family has no sample before its first label values are used).
+SCRAPED_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
 def known_metric_names() -> set[str]:
     """Every name the services export as scraped, from metrics.py's own registries, and Triton's."""
     names = {prometheus_name(n) for n in STEP_METRICS}
     for registry in (TrainerMetrics(jsonl_path=None).registry, GeneratorMetrics().registry, CriticMetrics().registry):
-        names |= {s.name for family in registry.collect() for s in family.samples}
+        for family in registry.collect():
+            names |= {s.name for s in family.samples}
+            names |= {family.name + suffix for suffix in SCRAPED_SUFFIXES.get(family.type, ("",))}
     return names | {v for k, v in vars(Triton).items() if k.isupper()}
 
 
