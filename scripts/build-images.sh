@@ -29,7 +29,7 @@ CACHE="${REINFORCE_IMAGES_CACHE:-$HOME/.cache/reinforce-images}"
 # as python_full_version < "3.11.3" pick dependencies).
 PYTHON=/usr/bin/python3
 VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml")"
-SERVICES=(reward generator trainer operator)
+SERVICES=(reward generator trainer critic operator)
 DOCKER="${DOCKER:-$(command -v docker || echo /usr/bin/docker)}"
 
 # Log lines go to the script's stderr even from commands whose output goes to a log file. Background processes are

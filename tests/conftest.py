@@ -94,3 +94,15 @@ def tiny_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = reinforce("run", str(write_spec(folder, training=BASELINE_TRAINING)))
     assert result.returncode == 0, result.stderr[-3000:]
     return folder / "run"
+
+
+@pytest.fixture(scope="session")
+def tiny_ppo_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of examples/tiny-ppo.yaml (runs.BASELINE_TRAINING): what PPO runs with a killed critic
+    or a resume must reproduce."""
+    from runs import BASELINE_TRAINING, reinforce, write_spec
+
+    folder = tmp_path_factory.mktemp("ppo-baseline")
+    result = reinforce("run", str(write_spec(folder, "tiny-ppo", training=BASELINE_TRAINING)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "run"

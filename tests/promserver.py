@@ -25,12 +25,12 @@ from generate.dashboards import (
     RUN_VARIABLE,
     dashboard_json,
 )
-from reinforce.core.names import COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
+from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 # Series Prometheus makes itself about each target, not exported by any service.
 SYNTHETIC = {"up"}
-COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD}
+COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_CRITIC}
 
 
 class Prometheus:

@@ -61,7 +61,7 @@ def test_rendered_objects_validate_and_the_role_is_the_operators() -> None:
     objects = render()
     kinds = sorted(o["kind"] for o in objects)
     dashboards = len(list((CHART / "dashboards").glob("*.json")))
-    assert dashboards == 4
+    assert dashboards == 5  # run overview, generation, reward server, weight sync, PPO
     assert kinds == sorted(
         ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "ServiceAccount"] + ["ConfigMap"] * dashboards
     )

@@ -2,7 +2,8 @@
 
 The committed files must equal what the module writes; promtool checks the rules and runs their unit tests (each
 alert fires); and a real Prometheus (Debian's) scrapes a real tiny run through the supervisor's
-prometheus_targets.json, where every panel's query must return data and every metric a dashboard or alert names
+prometheus_targets.json (a PPO run, so that the critic is scraped too; the trainer exports every step metric,
+REINFORCE's at 0), where every panel's query must return data and every metric a dashboard or alert names
 must be exported by a service. There is no Grafana server to be had: its part is the PromQL.
 """
 
@@ -34,8 +35,8 @@ from generate.dashboards import (
     DASHBOARDS_DIR,
     Triton,
 )
-from reinforce.core.metrics import STEP_METRICS, GeneratorMetrics, TrainerMetrics, prometheus_name
-from reinforce.core.names import COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
+from reinforce.core.metrics import STEP_METRICS, CriticMetrics, GeneratorMetrics, TrainerMetrics, prometheus_name
+from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
 from reinforce.supervisor.main import PROMETHEUS_TARGETS
 from runs import start, wait_for_step, write_spec
 
@@ -43,11 +44,17 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES_TEST = ALERTS_FILE.with_name("reinforce-rules.test.yaml")
 
 
+# The series a family is scraped as (a labelled family has no sample before its first label values are used).
+SCRAPED_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
 def known_metric_names() -> set[str]:
     """Every name the services export as scraped, from metrics.py's own registries, and Triton's."""
     names = {prometheus_name(n) for n in STEP_METRICS}
-    for registry in (TrainerMetrics(jsonl_path=None).registry, GeneratorMetrics().registry):
-        names |= {s.name for family in registry.collect() for s in family.samples}
+    for registry in (TrainerMetrics(jsonl_path=None).registry, GeneratorMetrics().registry, CriticMetrics().registry):
+        for family in registry.collect():
+            names |= {s.name for s in family.samples}
+            names |= {family.name + suffix for suffix in SCRAPED_SUFFIXES.get(family.type, ("",))}
     return names | {v for k, v in vars(Triton).items() if k.isupper()}
 
 
@@ -137,7 +144,7 @@ def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
 @pytest.mark.slow
 def test_every_panel_query_returns_data_from_a_live_run(tmp_path, prometheus):
     print(f"prometheus ready in {prometheus.start_s:.2f} s")
-    spec = write_spec(tmp_path, training={"steps": 15, "checkpoint_every": 15})
+    spec = write_spec(tmp_path, "tiny-ppo", training={"steps": 15, "checkpoint_every": 15})
     run_dir = tmp_path / "run"
     run = start("run", str(spec))
     try:
@@ -151,13 +158,18 @@ def test_every_panel_query_returns_data_from_a_live_run(tmp_path, prometheus):
             run.terminate()
             run.wait(timeout=60)
 
-    assert [t["labels"]["instance"] for t in targets] == ["reward", "generator-0", "trainer"]
+    assert [t["labels"]["instance"] for t in targets] == ["reward", "critic", "generator-0", "trainer"]
     assert json.loads((run_dir / PROMETHEUS_TARGETS).read_text()) == [], "a finished run still lists targets"
-    up = prometheus.api("query", query='up{run="tiny"}', time=at)["result"]
+    up = prometheus.api("query", query='up{run="tiny-ppo"}', time=at)["result"]
     components = {r["metric"]["component"]: r["value"][1] for r in up}
-    assert components == {COMPONENT_REWARD: "1", COMPONENT_GENERATOR: "1", COMPONENT_TRAINER: "1"}
+    assert components == {
+        COMPONENT_REWARD: "1",
+        COMPONENT_CRITIC: "1",
+        COMPONENT_GENERATOR: "1",
+        COMPONENT_TRAINER: "1",
+    }
 
-    names = assert_every_dashboard_query_answers(prometheus, "tiny", at)
+    names = assert_every_dashboard_query_answers(prometheus, "tiny-ppo", at)
     rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert {r["name"] for r in rules} == {a.name for a in ALERTS}
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]

@@ -1,5 +1,6 @@
 """Nothing lost when anything dies: each component of a tiny run is killed mid-run (SIGKILL) and the run
-still ends with every step trained exactly once; a killed trainer resumes to bit-identical weights."""
+still ends with every step trained exactly once; a killed trainer resumes to bit-identical weights. PPO runs
+(examples/tiny-ppo.yaml) survive their critic's death and a kill of the whole process tree, bit-identically."""
 
 import os
 import random
@@ -100,3 +101,42 @@ def test_killed_redis_restarts_from_its_append_only_file(tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
     assert "component redis exited with code -9; restart 1 of 3" in stderr
     assert_each_step_trained_once(run_dir, STEPS)
+
+
+def test_killed_critic_is_restarted_and_the_ppo_run_ends_exactly(tmp_path, tiny_ppo_baseline):
+    """kill -9 the critic: the supervisor restarts it from its last checkpoint; the trainer notices the critic's lost
+    steps (or a lost /v1/train answer), stops, is restarted and redoes the steps since its checkpoint."""
+    proc = start("run", str(write_spec(tmp_path, "tiny-ppo", training=SHORT)))
+    run_dir = tmp_path / "run"
+    # two steps after a checkpoint: the restarted critic has lost two steps' updates, which the trainer must notice
+    step = SHORT["checkpoint_every"] + 2
+    killed_at = kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.critic")[0], step=step)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "component critic exited with code -9; restart 1 of 3" in stderr
+    assert "component trainer exited with code 1; restart 1 of 3" in stderr
+    assert "restarted from an older checkpoint" in (RunPaths(run_dir).logs / "trainer.log").read_text()
+    assert_each_step_trained_once(run_dir, STEPS)
+    diff = max_weight_difference(tiny_ppo_baseline, run_dir)
+    assert diff < 1e-6, f"critic killed after step {killed_at}: weights differ by {diff}"
+
+
+def test_killed_ppo_run_resumes_to_identical_weights(tmp_path, tiny_ppo_baseline):
+    """kill -9 of the whole process tree (supervisor, every service, Redis), then `reinforce run --resume`."""
+    proc = start("run", str(write_spec(tmp_path, "tiny-ppo", training=SHORT)))
+    run_dir = tmp_path / "run"
+    killed_at = random.Random(os.getpid()).randint(2, STEPS - 3)
+    wait_for_step(proc, run_dir, killed_at)
+    proc.kill()
+    # each component runs in its own process group (Triton is a grandchild of the reward server's)
+    for pid in [*service_pids(run_dir), redis_pid(run_dir)]:
+        os.killpg(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+    result = reinforce("run", "--resume", str(run_dir))
+    assert result.returncode == 0, f"killed after step {killed_at}: {result.stderr[-3000:]}"
+    diff = max_weight_difference(tiny_ppo_baseline, run_dir)
+    assert diff < 1e-6, f"killed after step {killed_at}: weights differ by {diff}"
+    assert_each_step_trained_once(run_dir, STEPS)
+    critic = [r["train_optim/critic_loss"] for r in read_metrics(RunPaths(run_dir).metrics)]
+    assert critic == [r["train_optim/critic_loss"] for r in read_metrics(RunPaths(tiny_ppo_baseline).metrics)]

@@ -35,7 +35,9 @@ from prometheus_client import start_http_server
 
 from generate import crd, operator_manifest
 from generate.operator_manifest import OPERATOR_NAME, OPERATOR_NAMESPACE, OPERATOR_RULES
+from reinforce.core import launch
 from reinforce.core.metrics import TrainerMetrics
+from reinforce.core.names import COMPONENT_CRITIC, CONTROL_TOKEN_ENV, K8S_COMPONENT_LABEL
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.records_pb2 import WeightVersion
 from reinforce.core.run_dir import RunPaths
@@ -43,6 +45,7 @@ from reinforce.core.spec import RunSpec
 from reinforce.core.weights import publish
 from reinforce.generator.worker import Generator, control_plane
 from reinforce.operator.children import (
+    SPEC_FILE,
     OperatorConfig,
     Run,
     children,
@@ -73,6 +76,7 @@ KINDS = {  # what each run owns (with its own Redis)
     ("StatefulSet", "trainer"),
     ("NetworkPolicy", "network"),
 }
+CRITIC_KINDS = {("PersistentVolumeClaim", "critic-data"), ("Service", "critic"), ("StatefulSet", "critic")}  # ppo
 
 
 # ---- the decisions, without a cluster ---------------------------------------------------------------------
@@ -142,6 +146,42 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     assert stateful_set["spec"]["replicas"] == 2 and command[:2] == ["sh", "-c"]
     assert "--nnodes=2 --nproc-per-node=1 --node-rank=${POD_NAME##*-}" in command[2]
     assert "--master-addr=tiny-trainer-0.tiny-trainer.ns.svc" in command[2]
+
+
+def test_a_ppo_run_has_a_critic_and_its_trainer_calls_it() -> None:
+    spec = ReinforceRunSpec.model_validate(
+        {
+            **example_run(**{"algorithm.name": "ppo"})["spec"],
+            "name": "tiny",
+            "kubernetes": {"critic": {"requests": {"cpu": "2"}, "gpus": 1}},
+        }
+    )
+    objects = {
+        (o["kind"], o["metadata"]["name"]): o for o in children(Run("tiny", "ns", "uid-1", spec, OperatorConfig()))
+    }
+    assert {(kind, name.removeprefix("tiny-")) for kind, name in objects} == KINDS | CRITIC_KINDS
+    critic = objects[("StatefulSet", "tiny-critic")]["spec"]
+    pod = critic["template"]["spec"]
+    [container] = pod["containers"]
+    assert critic["replicas"] == 1 and critic["selector"]["matchLabels"][K8S_COMPONENT_LABEL] == COMPONENT_CRITIC
+    assert container["image"] == "reinforce-critic:0.1.0"
+    assert container["command"] == launch.CRITIC.command("python", SPEC_FILE, host="0.0.0.0", port=5556)
+    assert container["resources"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
+    assert container["readinessProbe"]["httpGet"] == {"path": launch.CRITIC.ready_path, "port": 5556}
+    assert CONTROL_TOKEN_ENV in {e["name"] for e in container["env"]}
+    assert {v["name"]: v.get("persistentVolumeClaim") for v in pod["volumes"]}["data"] == {
+        "claimName": "tiny-critic-data"
+    }
+    assert objects[("Service", "tiny-critic")]["spec"]["ports"][0]["port"] == 5556
+    trainer = objects[("StatefulSet", "tiny-trainer")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert trainer[trainer.index("--critic-url") + 1] == "http://tiny-critic.ns.svc:5556"
+    # a REINFORCE run has none of it
+    plain = ReinforceRunSpec.model_validate({**example_run()["spec"], "name": "tiny"})
+    names = {(o["kind"], o["metadata"]["name"]) for o in children(Run("tiny", "ns", "uid-1", plain, OperatorConfig()))}
+    assert not any("critic" in name for _, name in names)
+    # and the run is not Running until its critic is ready
+    everything = _pods(redis=(1, 1), reward=(1, 1), generator=(1, 1), trainer=(1, 1), critic=(1, 0))
+    assert phase_of(spec, everything, 1, False, False)[:2] == ("Pending", "ComponentsNotReady")
 
 
 def test_host_network_profile_reaches_everything_on_the_node() -> None:

@@ -42,6 +42,25 @@ def test_tiny_run_learns(tmp_path):
     assert (paths.checkpoints / "step-000030").is_dir()
 
 
+@pytest.mark.slow
+def test_tiny_ppo_run_learns_with_the_critic_in_its_own_process(tiny_ppo_baseline):
+    """examples/tiny-ppo.yaml (12 steps): the critic runs as its own process, values and trains beside the trainer."""
+    paths = RunPaths(tiny_ppo_baseline)
+    rows = read_metrics(paths.metrics)
+    assert [r["step"] for r in rows] == list(range(1, BASELINE_TRAINING["steps"] + 1))
+    rewards = [r["train_rollouts/rewards"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert all(r["train_optim/critic_loss"] > 0 for r in rows)
+    values = [r["train_rollouts/values"] for r in rows]
+    assert values[0] == 0.0 and values[-1] > 0.05, "the critic's values (zero head at first) did not learn"
+    assert all(0.5 < r["train_optim/ppo_ratio"] < 1.5 for r in rows)
+    assert max(r["train_rollouts/logprob_mismatch"] for r in rows) < 1e-4
+    critic_log = (paths.logs / "critic.log").read_text()
+    assert "restored step 0" in critic_log and "critic_checkpoints/step-000012" in critic_log
+    assert (paths.critic_checkpoints / "step-000012").is_dir()
+
+
 def test_bad_spec_names_the_field(tmp_path):
     path = write_spec(tmp_path, training={"lr": -1.0, "stepz": 3})
     result = reinforce("run", str(path), timeout=120)

@@ -98,7 +98,7 @@ def test_the_network_policy_selects_exactly_the_runs_pods() -> None:
     operator = next(p for p in peers if "namespaceSelector" in p)
     assert operator["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": OPERATOR_APP_NAME}
     assert selector[K8S_INSTANCE_LABEL] == "tiny"
-    assert "from" not in metrics and {p["port"] for p in metrics["ports"]} == {8002, 8080, 9000}  # Prometheus
+    assert "from" not in metrics and {p["port"] for p in metrics["ports"]} == {8002, 8080, 9000, 5556}  # Prometheus
     assert 6379 not in {p["port"] for p in metrics["ports"]}  # Redis only from the run's pods and the operator
 
 

@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
 
 
-@pytest.mark.parametrize("name", ["quickstart.yaml", "tiny.yaml"])
+@pytest.mark.parametrize("name", ["quickstart.yaml", "tiny.yaml", "quickstart-ppo.yaml", "tiny-ppo.yaml"])
 def test_examples_load_and_round_trip(name):
     spec = load_spec(EXAMPLES / name)
     assert parse_spec(yaml.safe_load(dump_spec(spec))) == spec
@@ -26,6 +26,10 @@ def test_defaults_follow_nemo_aligner():
     assert spec.algorithm.use_absolute_kl is True
     assert spec.training.max_grad_norm == 1.0
     assert spec.resolved_run_dir() == Path("runs/t")
+    assert (spec.algorithm.name, spec.algorithm.advantage_estimator) == ("reinforce", "rloo")
+    # NeMo-Aligner's gpt_ppo_critic.yaml
+    c = spec.critic
+    assert (c.lr, c.weight_decay, c.adam_betas, c.max_grad_norm, c.value_clip) == (9e-6, 0.1, (0.9, 0.98), 1.0, 0.2)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +64,14 @@ def test_defaults_follow_nemo_aligner():
             "data.max_prompt_tokens (128) + generation.max_new_tokens (200) = 328 exceeds "
             "policy.random_init.max_position_embeddings (256)",
         ),
+        ({"algorithm": {"name": "dpo"}}, "algorithm.name: Input should be 'reinforce' or 'ppo'"),
+        ({"algorithm": {"advantage_estimator": "gae"}}, "algorithm.advantage_estimator: Input should be 'rloo'"),
+        ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda: Input should be less than or equal"),
+        ({"algorithm": {"name": "ppo", "num_minibatches": 3}}, "must be a multiple of algorithm.num_minibatches (3)"),
+        ({"algorithm": {"name": "ppo", "max_policy_lag": 1}}, "algorithm.max_policy_lag must be 0"),
+        ({"algorithm": {"name": "ppo"}, "training": {"num_ranks": 2}}, "ppo trains with training.num_ranks 1"),
+        ({"critic": {"init": "reward_model"}}, "critic: Value error, init reward_model needs reward_model_path"),
+        ({"critic": {"lr": -1}}, "critic.lr: Input should be greater than 0"),
     ],
 )
 def test_bad_fields_are_named(patch, expected):

@@ -32,6 +32,7 @@ class Service:
 REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
 GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="port")
 TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
+CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port")
 
 
 def redis_shell_command(port: int, data_dir: str, config_dir: str, password_env: str) -> str:
@@ -52,4 +53,9 @@ def weights_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-SERVICES = {names.COMPONENT_REWARD: REWARD, names.COMPONENT_GENERATOR: GENERATOR, names.COMPONENT_TRAINER: TRAINER}
+SERVICES = {
+    names.COMPONENT_REWARD: REWARD,
+    names.COMPONENT_GENERATOR: GENERATOR,
+    names.COMPONENT_TRAINER: TRAINER,
+    names.COMPONENT_CRITIC: CRITIC,
+}

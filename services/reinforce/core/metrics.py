@@ -27,7 +27,10 @@ STEP_METRICS: dict[str, str] = {
     "train_rollouts/response_lengths": "Mean response length in tokens.",
     "train_rollouts/prompt_lengths": "Mean prompt length in tokens.",
     "train_rollouts/generation_length": "Mean prompt + response length in tokens.",
-    "train_rollouts/advantages_abs": "Mean absolute RLOO advantage.",
+    "train_rollouts/advantages_abs": "reinforce: mean absolute advantage over the response tokens of kept samples.",
+    "train_rollouts/advantages": "ppo: mean GAE advantage A_t over response tokens (before whitening).",
+    "train_rollouts/returns": "ppo: mean return R_t = A_t + V(s_t) over response tokens (the critic's target).",
+    "train_rollouts/values": "ppo: mean critic value V(s_t) over response tokens, as the rollout was valued.",
     "train_rollouts/dropped_nonfinite_rewards": "Samples left out of the step because their reward was NaN or inf.",
     "train_rollouts/logprob_mismatch": "Mean |generator log-prob - trainer log-prob| of the same tokens and weights.",
     "train_rollouts/refused_mismatched_groups": "Groups refused because their log-probs were far from the trainer's "
@@ -38,13 +41,22 @@ STEP_METRICS: dict[str, str] = {
     "train_rollouts/importance_weight_mean": "Mean truncated importance weight min(pi/mu, cap) (asynchronous mode).",
     "train_rollouts/importance_weight_max": "Largest truncated importance weight of the step (asynchronous mode).",
     "train_rollouts/importance_weight_capped_fraction": "Fraction of tokens whose importance weight hit the cap.",
-    "train_optim/loss": "REINFORCE loss (masked token mean).",
+    "train_optim/loss": "reinforce: the REINFORCE loss (masked token mean).",
+    "train_optim/actor_loss": "ppo: clipped surrogate loss minus the entropy bonus, mean over the minibatch steps.",
+    "train_optim/critic_loss": "ppo: the critic's clipped value loss, mean over its minibatch steps.",
+    "train_optim/critic_grad_norm": "ppo: the critic's gradient norm before clipping, mean over its minibatch steps.",
+    "train_optim/ppo_ratio": "ppo: mean ratio pi / pi_old over response tokens.",
+    "train_optim/ppo_ratio_clamped": "ppo: mean of the ratio clamped to [1 - ratio_eps, 1 + ratio_eps].",
+    "train_optim/ppo_clip_fraction": "ppo: fraction of tokens whose clipped term won (no gradient from them).",
+    "train_optim/entropy": "ppo: mean entropy of the policy's token distributions.",
     "train_optim/grad_norm": "Global gradient norm before clipping.",
     "train_optim/lr": "Learning rate used by the step.",
     "timers/rollout_time": "Seconds from enqueueing the step's prompts to receiving its last rollout group.",
     "timers/generate": "Generator seconds spent sampling the step's groups (summed over generators).",
     "timers/reward": "Generator seconds spent waiting for the reward server for the step's groups.",
     "timers/init_logprobs": "Seconds computing the reference policy's log-probs.",
+    "timers/logprobs": "ppo: seconds computing the sampling policy's log-probs before the update.",
+    "timers/critic_wait": "ppo: seconds the trainer waited for the critic (values, then its update).",
     "timers/train_time": "Seconds of forward, backward and optimizer step (current log-probs come from this pass).",
     "timers/weight_publish": "Seconds writing and announcing the new weight version.",
     "timers/step_time": "Wall seconds of the whole step.",
@@ -155,6 +167,38 @@ class GeneratorMetrics:
         )
         self.nonfinite_rewards = Counter(
             PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
+        )
+
+
+class CriticMetrics:
+    """The critic's Prometheus series (reinforce_critic_*)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter(
+            PREFIX + "critic_requests", "HTTP requests by endpoint and status code.", ["endpoint", "code"], registry=r
+        )
+        self.seconds = Histogram(
+            PREFIX + "critic_request_seconds",
+            "Seconds to answer a request, by endpoint.",
+            ["endpoint"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+        self.train_steps = Gauge(
+            PREFIX + "critic_train_steps", "Optimizer steps since the critic was created, resumes included.", registry=r
+        )
+        self.train_tokens = Counter(PREFIX + "critic_train_tokens", "Response tokens trained on.", registry=r)
+        self.loss = Gauge(PREFIX + "critic_loss", "Critic loss of the last minibatch.", registry=r)
+        self.grad_norm = Gauge(PREFIX + "critic_grad_norm", "Gradient norm (before clipping), last step.", registry=r)
+        self.value_clip_fraction = Gauge(
+            PREFIX + "critic_value_clip_fraction", "Tokens whose clipped value error won, last step.", registry=r
+        )
+        self.checkpoint_step = Gauge(
+            PREFIX + "critic_checkpoint_step", "Step of the checkpoint last written or loaded.", registry=r
+        )
+        self.checkpoint_seconds = Gauge(
+            PREFIX + "critic_checkpoint_seconds", "Seconds the last checkpoint took to write.", registry=r
         )
 
 

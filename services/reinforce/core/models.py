@@ -249,26 +249,57 @@ def response_logprobs(
     Differentiable when grad is enabled. The lm_head runs only on the positions that predict response
     tokens: with a 49k vocabulary the prompt positions' logits would dominate time and memory.
     """
+    log_softmax, targets, mask = _response_log_softmax(model, prompt_ids, response_ids, temperature)
+    return _padded_like(mask, log_softmax.gather(-1, targets[:, None]).squeeze(-1)), mask
+
+
+def response_logprobs_and_entropy(
+    model: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs as :func:`response_logprobs`, the entropy H_t = - sum_v pi(v) log pi(v) of each response token's
+    distribution, mask), all [B, T]; both differentiable when grad is enabled."""
+    log_softmax, targets, mask = _response_log_softmax(model, prompt_ids, response_ids, temperature)
+    logprobs = _padded_like(mask, log_softmax.gather(-1, targets[:, None]).squeeze(-1))
+    entropy = _padded_like(mask, token_entropy(log_softmax))
+    return logprobs, entropy, mask
+
+
+def _response_log_softmax(
+    model: PreTrainedModel, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_softmax of the logits / temperature at each real response token [N, V], its token [N], mask [B, T])."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token to predict the response's first token")
     device = model.device
-    input_ids, attention = _right_padded(prompt_ids, response_ids, model.config.pad_token_id or 0)
+    input_ids, attention = right_padded(prompt_ids, response_ids, model.config.pad_token_id or 0)
     input_ids, attention = input_ids.to(device), attention.to(device)
     # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
     positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
 
-    rows, cols, targets, mask = _response_positions(prompt_ids, response_ids, device)
+    rows, cols, targets, mask = response_positions(prompt_ids, response_ids, device)
     logits = model.lm_head(hidden[rows, cols]).float() / temperature  # [N, V], N = real response tokens
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device)
-    logprobs[mask.bool()] = picked  # row-major order matches _response_positions
-    return logprobs, mask
+    return torch.log_softmax(logits, dim=-1), targets, mask
 
 
-def _right_padded(
+def token_entropy(log_softmax: torch.Tensor) -> torch.Tensor:
+    """H = - sum_v p_v log p_v of distributions given as log-probabilities [..., V] -> [...]."""
+    return -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+def _padded_like(mask: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """Per-token values [N] in row-major order of the real tokens -> right-padded [B, T], 0 on padding."""
+    out = torch.zeros(mask.shape, dtype=picked.dtype, device=mask.device)
+    out[mask.bool()] = picked  # row-major order matches response_positions
+    return out
+
+
+def right_padded(
     prompt_ids: list[list[int]], response_ids: list[list[int]], pad: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
@@ -281,7 +312,7 @@ def _right_padded(
     return ids, attention
 
 
-def _response_positions(
+def response_positions(
     prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row, column) of the hidden state predicting each response token, the tokens, and the [B, T] mask."""

@@ -21,7 +21,10 @@ COMPONENT_REDIS = "redis"
 COMPONENT_REWARD = "reward"
 COMPONENT_GENERATOR = "generator"
 COMPONENT_TRAINER = "trainer"
-COMPONENTS = (COMPONENT_REDIS, COMPONENT_REWARD, COMPONENT_GENERATOR, COMPONENT_TRAINER)
+COMPONENT_CRITIC = "critic"  # PPO only (algorithm.name ppo)
+COMPONENTS = (COMPONENT_REDIS, COMPONENT_REWARD, COMPONENT_GENERATOR, COMPONENT_TRAINER, COMPONENT_CRITIC)
+
+CRITIC_PORT = 5556  # the critic service's default port (NeMo-Aligner's)
 
 # --- the reward model on Triton -------------------------------------------------------------------------------
 REWARD_MODEL = "reward"
@@ -33,7 +36,7 @@ REWARD_FN_FAILED = "reward function failed"
 
 # --- probes ---------------------------------------------------------------------------------------------------
 HEALTH_PATH = "/healthz"  # liveness of the generator's control plane and the operator
-READY_PATH = "/readyz"  # readiness of the generator's control plane
+READY_PATH = "/readyz"  # readiness of the generator's control plane and the critic
 METRICS_PATH = "/metrics"
 # The model's readiness, not the server's: Triton's /v2/health/ready answers 200 before the model has loaded.
 REWARD_READY_PATH = f"/v2/models/{REWARD_MODEL}/ready"

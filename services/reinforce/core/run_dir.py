@@ -29,6 +29,11 @@ class RunPaths:
         return self.root / "checkpoints"
 
     @property
+    def critic_checkpoints(self) -> Path:
+        """The PPO critic's checkpoints, one per trainer checkpoint (the same step)."""
+        return self.root / "critic_checkpoints"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 

@@ -135,9 +135,18 @@ class DataSpec(_Section):
 
 
 class AlgorithmSpec(_Section):
-    """REINFORCE with the RLOO baseline and a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
+    """REINFORCE or PPO, with a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
 
-    name: Literal["reinforce"] = Field("reinforce", description="Algorithm: reinforce (RLOO baseline, KL penalty).")
+    name: Literal["reinforce", "ppo"] = Field(
+        "reinforce",
+        description="reinforce: REINFORCE with a group baseline (`advantage_estimator`); ppo: PPO with the critic "
+        "service (section `critic`), GAE and the clipped objective.",
+    )
+    advantage_estimator: Literal["rloo", "grpo", "reinforce_plus_plus"] = Field(
+        "rloo",
+        description="reinforce: rloo (leave-one-out baseline of the properly-ended others), grpo (group mean and "
+        "std, TRL), reinforce_plus_plus (per-token KL rewards, returns whitened over the step's batch, OpenRLHF).",
+    )
     num_rollouts_per_prompt: int = Field(
         4, ge=2, description="k: samples per prompt (at least 2: the leave-one-out baseline needs another sample)."
     )
@@ -150,11 +159,50 @@ class AlgorithmSpec(_Section):
         0,
         ge=0,
         description="0: strictly on-policy. n > 0: generators keep sampling while the trainer trains, with "
-        "weights up to n versions old, corrected by truncated importance weights.",
+        "weights up to n versions old, corrected by truncated importance weights (reinforce only).",
     )
     importance_weight_cap: float = Field(
         2.0, gt=0, description="max_policy_lag > 0: cap of the per-token importance weight pi / mu."
     )
+    discount_factor: float = Field(1.0, ge=0, le=1, description="ppo: gamma of GAE.")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="ppo: lambda of GAE.")
+    ppo_epochs: int = Field(1, ge=1, description="ppo: passes over the step's batch.")
+    num_minibatches: int = Field(
+        1, ge=1, description="ppo: optimizer steps per epoch (actor and critic); prompts_per_step must divide by it."
+    )
+    ratio_eps: float = Field(
+        0.2, gt=0, description="ppo: eps of the clipped ratio clip(pi / pi_old, 1 - eps, 1 + eps)."
+    )
+    entropy_bonus: float = Field(0.0, ge=0, description="ppo: c_H of L_actor = L_clip - c_H * H.")
+
+
+CriticInit = Literal["policy", "reward_model"]
+
+
+class CriticSpec(_Section):
+    """ppo: the critic service's value model and optimizer (defaults: NeMo-Aligner's gpt_ppo_critic.yaml)."""
+
+    init: CriticInit = Field(
+        "policy",
+        description="policy: the initial policy's body with a zero value head; reward_model: the sequence "
+        "classifier (num_labels 1) at `reward_model_path`, which must share the policy's tokenizer.",
+    )
+    reward_model_path: str | None = Field(None, description="init reward_model: its Hugging Face folder.")
+    lr: float = Field(9e-6, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.98), strict=False, description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    value_clip: float = Field(
+        0.2, ge=0, description="eps_v of the clipped value loss (NeMo-Aligner's loss_clip_val; 0: off)."
+    )
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward and backward; gradients accumulate.")
+    max_request_mb: float = Field(64.0, gt=0, description="Larger request bodies are refused (413) unread.")
+
+    @model_validator(mode="after")
+    def _reward_model_needs_path(self) -> CriticSpec:
+        if self.init == "reward_model" and not self.reward_model_path:
+            raise ValueError("init reward_model needs reward_model_path")
+        return self
 
 
 class GenerationSpec(_Section):
@@ -320,6 +368,7 @@ class RunSpec(_Section):
     reward: RewardSpec = Field(default_factory=RewardSpec)
     data: DataSpec
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    critic: CriticSpec = Field(default_factory=CriticSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     validation: ValidationSpec = Field(default_factory=ValidationSpec)
@@ -336,6 +385,17 @@ class RunSpec(_Section):
                 f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of training.num_ranks "
                 f"({t.num_ranks}): every rank trains the same number of whole prompt groups"
             )
+        a = self.algorithm
+        if a.name == "ppo":
+            if t.num_ranks > 1:
+                raise ValueError("algorithm.name ppo trains with training.num_ranks 1 (one critic client)")
+            if a.max_policy_lag > 0:
+                raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")
+            if t.prompts_per_step % a.num_minibatches:
+                raise ValueError(
+                    f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of "
+                    f"algorithm.num_minibatches ({a.num_minibatches})"
+                )
         return self
 
     @model_validator(mode="after")

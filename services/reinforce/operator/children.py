@@ -8,6 +8,8 @@ For a run R in namespace N:
 - StatefulSet + Service ``R-redis`` (AOF on a volume), unless ``kubernetes.external_redis_secret`` names one.
 - Deployment + Service ``R-reward``: the Triton reward server.
 - Deployment ``R-generator``: ``generation.num_generators`` replicas.
+- algorithm.name ppo: StatefulSet + Service ``R-critic`` and its PersistentVolumeClaim ``R-critic-data`` (the critic's
+  initial model and checkpoints; the trainer checkpoints and restores it over HTTP).
 - StatefulSet + headless Service ``R-trainer``: one pod per ``training.num_ranks``; torchrun's rendezvous is
   pod 0 through that Service.
 - NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods and the operator on any
@@ -33,8 +35,10 @@ from pydantic import Field, field_validator
 from reinforce.core import launch
 from reinforce.core.names import (
     ANY_HOST,
+    COMPONENT_CRITIC,
     COMPONENTS,
     CONTROL_TOKEN_ENV,
+    CRITIC_PORT,
     HEALTH_PATH,
     K8S_COMPONENT_LABEL,
     K8S_INSTANCE_LABEL,
@@ -81,6 +85,7 @@ class Ports(_Section):
     generator: int = Field(8080, ge=1, le=65535, description="Control plane: health, metrics, weight loading.")
     trainer_metrics: int = Field(9000, ge=1, le=65535, description="Trainer's Prometheus metrics (and status).")
     trainer_weights: int = Field(9001, ge=1, le=65535, description="Trainer's weight endpoint (rank 0).")
+    critic: int = Field(CRITIC_PORT, ge=1, le=65535, description="ppo: the critic service (API, probes, metrics).")
     rendezvous: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous on trainer pod 0.")
 
 
@@ -91,6 +96,7 @@ class Images(_Section):
     reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
     generator: str = Field("reinforce-generator:0.1.0", description="Generators.")
     trainer: str = Field("reinforce-trainer:0.1.0", description="Trainer.")
+    critic: str = Field("reinforce-critic:0.1.0", description="ppo: the critic service.")
 
 
 class OperatorConfig(_Section):
@@ -100,7 +106,7 @@ class OperatorConfig(_Section):
     image_pull_policy: str = Field("IfNotPresent", description="Pull policy of every container.")
     pods: dict[str, PodSpec] = Field(
         default_factory=dict,
-        description="Default pod settings per component (redis, reward, generator, trainer); a run's own win.",
+        description="Default pod settings per component (redis, reward, generator, trainer, critic); a run's own win.",
     )
     ports: Ports = Field(default_factory=Ports)
     profile: Literal["standard", "host-network"] = Field(
@@ -164,6 +170,11 @@ class Run:
         return 0 if self.stopped else wanted
 
     @property
+    def ppo(self) -> bool:
+        """PPO runs have a critic service."""
+        return self.spec.algorithm.name == "ppo"
+
+    @property
     def host_network(self) -> bool:
         return self.config.profile == "host-network"
 
@@ -178,6 +189,8 @@ def children(run: Run) -> list[dict[str, Any]]:
     if run.spec.kubernetes.external_redis_secret is None:
         objects += [redis_volume(run), redis_service(run), redis_stateful_set(run)]
     objects += [reward_service(run), reward_deployment(run), generator_deployment(run)]
+    if run.ppo:
+        objects += [critic_volume(run), critic_service(run), critic_stateful_set(run)]
     objects += [trainer_service(run), trainer_stateful_set(run), network_policy(run)]
     return objects
 
@@ -468,6 +481,7 @@ def trainer_command(run: Run) -> list[str]:
         weights_port=p.trainer_weights,
         advertise_host=trainer_pod_address(run, 0),
         stay_up=True,  # a StatefulSet restarts a container that exits; the operator scales the run to zero instead
+        **({"critic_url": f"http://{run.host(COMPONENT_CRITIC)}:{p.critic}"} if run.ppo else {}),
     )
     ranks = run.spec.training.num_ranks
     if ranks == 1:
@@ -498,9 +512,9 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
 
 
 def metrics_ports(run: Run) -> list[int]:
-    """The ports Prometheus scrapes (a generator's control plane serves its /metrics)."""
+    """The ports Prometheus scrapes (a generator's control plane and the critic serve /metrics on theirs)."""
     p = run.config.ports
-    return [p.reward_metrics, p.generator, p.trainer_metrics]
+    return [p.reward_metrics, p.generator, p.trainer_metrics, p.critic]
 
 
 def network_policy(run: Run) -> dict[str, Any]:
@@ -522,3 +536,33 @@ def network_policy(run: Run) -> dict[str, Any]:
             ],
         },
     }
+
+
+def critic_volume(run: Run) -> dict[str, Any]:
+    """The critic's own claim: its initial model (materialised in the pod) and its checkpoints."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": run.metadata(run.child("critic-data"), COMPONENT_CRITIC),
+        "spec": _claim_spec(run, run.spec.kubernetes.critic_storage_size),
+    }
+
+
+def critic_service(run: Run) -> dict[str, Any]:
+    return _service(run, COMPONENT_CRITIC, {"http": run.config.ports.critic})
+
+
+def critic_stateful_set(run: Run) -> dict[str, Any]:
+    """One critic pod (a StatefulSet: never two on the same volume, even during a rollout)."""
+    port = run.config.ports.critic
+    command = _python_service(launch.CRITIC, host="0.0.0.0", port=port)
+    volume, mount = _spec_volume(run)
+    container = _container(
+        run, COMPONENT_CRITIC, command, {"http": port},
+        env=_service_env(run),
+        volumeMounts=[mount, {"name": "data", "mountPath": DATA_DIR}],
+        readinessProbe=_http_probe(launch.CRITIC.ready_path, port),
+        livenessProbe={**_http_probe(HEALTH_PATH, port, 10), "initialDelaySeconds": 60},
+    )  # fmt: skip
+    volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("critic-data")}}]
+    return _stateful_set(run, COMPONENT_CRITIC, 1, _pod_template(run, COMPONENT_CRITIC, [container], volumes))

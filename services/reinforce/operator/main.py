@@ -40,7 +40,7 @@ from kubernetes import client, config
 from prometheus_client.parser import text_string_to_metric_families
 
 from reinforce.core.metrics import PREFIX, prometheus_name
-from reinforce.core.names import K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
+from reinforce.core.names import COMPONENT_CRITIC, K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.rollout import GeneratorWeights, WeightReconciler
 from reinforce.core.spec import SpecError
@@ -238,6 +238,8 @@ def phase_of(
     if spec.suspend:
         return "Suspended", "Suspended", "spec.suspend is true: every component is scaled to zero"
     needed = {"reward": 1, "trainer": spec.training.num_ranks, "generator": 1}
+    if spec.algorithm.name == "ppo":
+        needed[COMPONENT_CRITIC] = 1
     if spec.kubernetes.external_redis_secret is None:
         needed["redis"] = 1
     missing = [f"{c} ({n} ready pods needed)" for c, n in needed.items() if _ready(pods, c) < n]

@@ -55,12 +55,16 @@ class KubernetesSpec(_Section):
     reward: PodSpec = Field(default_factory=PodSpec)
     generator: PodSpec = Field(default_factory=PodSpec)
     trainer: PodSpec = Field(default_factory=PodSpec)
+    critic: PodSpec = Field(default_factory=PodSpec, description="The critic's pod (algorithm.name ppo).")
     external_redis_secret: str | None = Field(
         None,
         description="A Secret of the run's namespace whose key `url` is the redis:// URL of an external Redis; "
         "then no Redis is created, and the run's keys are deleted with the run.",
     )
     storage_size: str = Field("10Gi", description="Size of the run's volume (checkpoints, weights, final model).")
+    critic_storage_size: str = Field(
+        "10Gi", description="ppo: size of the critic's volume (its initial model and checkpoints)."
+    )
     storage_class: str | None = Field(None, description="StorageClass of the run's volumes (None: the default).")
     redis_storage_size: str = Field("1Gi", description="Size of Redis' append-only-file volume.")
 

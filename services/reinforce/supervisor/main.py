@@ -1,8 +1,9 @@
 """`reinforce`: the command line. `reinforce run SPEC.yaml` runs a whole pipeline on this machine.
 
 The local supervisor starts the same services a Kubernetes run has, as child processes: redis-server, the
-Triton reward server, N generators and the trainer. It drives weight rollout with the same reconciler the
-operator uses, shows progress, and stops every child when the run ends, fails, or on Ctrl-C.
+Triton reward server, the critic (algorithm.name ppo), N generators and the trainer. It drives weight rollout
+with the same reconciler the operator uses, shows progress, and stops every child when the run ends, fails, or
+on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
+    COMPONENT_CRITIC,
     COMPONENT_GENERATOR,
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
@@ -126,11 +128,15 @@ def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
     reward = spec.reward
     if reward.path:
         reward = reward.model_copy(update={"path": local(reward.path)})
+    critic = spec.critic
+    if critic.reward_model_path:
+        critic = critic.model_copy(update={"reward_model_path": local(critic.reward_model_path)})
     return spec.model_copy(
         update={
             "run_dir": str(spec.resolved_run_dir().resolve()),
             "policy": policy,
             "reward": reward,
+            "critic": critic,
             "data": spec.data.model_copy(
                 update={
                     "prompts": local(spec.data.prompts),
@@ -170,11 +176,13 @@ class Supervisor:
     def service_argv(self, service: launch.Service, **flags: object) -> list[str]:
         return service.command(sys.executable, str(self.paths.spec), **flags)
 
-    def trainer_argv(self) -> list[str]:
+    def trainer_argv(self, critic_url: str | None) -> list[str]:
         metrics_port = free_port()
         self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
-        weights = {"weights_port": self.weights_port} if self.weights_port else {}
-        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port, **weights)
+        flags = {"critic_url": critic_url} if critic_url else {}
+        if self.weights_port:
+            flags["weights_port"] = self.weights_port
+        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port, **flags)
         ranks = self.spec.training.num_ranks
         if ranks == 1:
             return argv
@@ -210,6 +218,15 @@ class Supervisor:
         self.wait_until(c, lambda: _http_ok(url + launch.REWARD.ready_path))
         return url
 
+    def start_critic(self) -> str:
+        """PPO's critic service; its port also serves its metrics."""
+        port = free_port()
+        self.add_scrape_target(COMPONENT_CRITIC, "critic", port)
+        c = self.component(COMPONENT_CRITIC, self.service_argv(launch.CRITIC, port=port))
+        url = f"http://127.0.0.1:{port}"
+        self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
+        return url
+
     def start_generators(self, reward_url: str) -> dict[str, str]:
         urls = {}
         for i in range(self.spec.generation.num_generators):
@@ -239,8 +256,9 @@ class Supervisor:
         self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
         self.start_redis()
         reward_url = self.start_reward()
+        critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
         generator_urls = self.start_generators(reward_url)
-        trainer = self.component("trainer", self.trainer_argv())
+        trainer = self.component("trainer", self.trainer_argv(critic_url))
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
         # the supervisor's loop must not stall while it restarts Redis itself.
         queue = RolloutQueue(connect(self.env[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
@@ -287,8 +305,8 @@ class Supervisor:
         )
 
     def stop(self) -> None:
-        # trainer first (it checkpoints), then generators, reward server, Redis last; one that cannot be stopped
-        # cleanly must not keep the others running
+        # trainer first (it checkpoints), then generators, the critic, reward server, Redis last; one that cannot
+        # be stopped cleanly must not keep the others running
         for c in reversed(self.components):
             try:
                 c.stop()

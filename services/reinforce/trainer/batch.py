@@ -41,3 +41,9 @@ def generator_logprobs(groups: list[RolloutGroup], like: torch.Tensor) -> torch.
     for row, sample in enumerate(s for g in groups for s in g.samples):
         out[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
     return out
+
+
+def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Right-padded [b_i, T_i] tensors (micro-batches) -> one [sum b_i, max T_i] tensor, 0 on the new padding."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])

@@ -46,6 +46,14 @@ class Ranks:
         dist.all_reduce(total)
         return int(total.item())
 
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of `tensor` over ranks (a new tensor; the tensor itself with one rank)."""
+        if self.world == 1:
+            return tensor
+        total = tensor.detach().clone()
+        dist.all_reduce(total)
+        return total
+
     def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Sum every gradient across ranks in one collective.
 

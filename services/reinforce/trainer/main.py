@@ -1,6 +1,7 @@
-"""The trainer: feeds prompts, consumes rollout groups, applies REINFORCE (RLOO + KL), publishes weights.
+"""The trainer: feeds prompts, consumes rollout groups, applies the algorithm (REINFORCE or PPO), publishes weights.
 
     python -m reinforce.trainer --spec RUN_DIR/spec.yaml --redis-url redis://... [--metrics-port N] [--host ADDRESS]
+        [--critic-url http://...]   (algorithm.name ppo: the critic service)
 
 Strictly on-policy (max_policy_lag 0): the prompts of step s are sampled with weight version s, and the
 trainer publishes version s + 1 before it enqueues the prompts of step s + 1.
@@ -67,7 +68,9 @@ MAXED_METRICS = {
 class Trainer:
     """Rank 0 (the main rank) also feeds prompts, publishes weights, checkpoints and writes the metrics."""
 
-    def __init__(self, spec: RunSpec, redis_url: str, ranks: Ranks | None = None) -> None:
+    def __init__(
+        self, spec: RunSpec, redis_url: str, ranks: Ranks | None = None, critic_url: str | None = None
+    ) -> None:
         self.spec = spec
         self.ranks = ranks or Ranks()
         self.consumer = f"trainer-{self.ranks.rank}"
@@ -78,7 +81,7 @@ class Trainer:
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
         self.backend = build_backend(spec.training, self.paths.initial_policy, self.ranks)
-        self.algorithm = build_algorithm(spec, self.ranks)
+        self.algorithm = build_algorithm(spec, self.ranks, critic_url)
         self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
         self.queue.ensure_groups()
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
@@ -111,6 +114,7 @@ class Trainer:
             )
             self.step = state.step
             log.info("resumed from %s at step %d", checkpoints[-1], self.step)
+        self.algorithm.restore(self.step)
         # Steps after the checkpoint (all of them when a first life died before its first checkpoint) are
         # redone, so their rows from the earlier life go.
         if self.ranks.is_main:
@@ -184,6 +188,7 @@ class Trainer:
         # the cursor as it was before the next untrained step drew its prompts: a resume redraws them
         cursor = self.feeder.cursor_state_before(self.step)
         state = TrainerState(step=self.step, cursor=cursor, weight_version=self.step)
+        self.algorithm.save(self.step)  # first: a trainer checkpoint always has the algorithm's beside it
         path = save_checkpoint(self.paths.checkpoints, state, self.backend, self.spec.training.keep_checkpoints)
         log.info("checkpoint %s", path)
 
@@ -227,11 +232,11 @@ class Trainer:
             values.update(self.validator.finish(self.step))
         self.record(self.step, values)
         log.info(
-            "step %d reward %.4f kl %.4f loss %.4f",
+            "step %d reward %.4f kl %.4f grad norm %.4f",
             self.step,
             values["train_rollouts/rewards"],
             values["train_rollouts/init_policy_kl"],
-            values["train_optim/loss"],
+            values["train_optim/grad_norm"],
         )
 
     def rollout_stats(self, batch: StepBatch, rollout_time: float, trained_step: int) -> dict[str, float]:
@@ -303,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--advertise-host", default="127.0.0.1", help="host generators use to reach the weight endpoint"
     )
+    parser.add_argument("--critic-url", help="algorithm.name ppo: base URL of the critic service")
     parser.add_argument(
         "--stay-up",
         action="store_true",
@@ -311,9 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per critic request
     ranks = Ranks.from_environment()
     spec = load_spec(args.spec)
-    trainer = Trainer(spec, args.redis_url, ranks)
+    trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)
     if spec.weights.transport == "http" and ranks.is_main:
         trainer.serve_weights(args.host, args.weights_port, args.advertise_host, os.environ.get(CONTROL_TOKEN_ENV))
     if args.metrics_port and ranks.is_main:
@@ -331,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.discard_unfinished_rollouts()
     trainer.run()
     trainer.metrics.close()
+    trainer.algorithm.close()
     if args.stay_up and not trainer.stopping.is_set():
         log.info("all %d steps trained: serving metrics and weights until SIGTERM", spec.training.steps)
         terminated.wait()

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
+from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.base import Algorithm
 from reinforce.trainer.distributed import Ranks
 
 
-def build_algorithm(spec: RunSpec, ranks: Ranks) -> Algorithm:
+def build_algorithm(spec: RunSpec, ranks: Ranks, critic_url: str | None = None) -> Algorithm:
+    """The algorithm the spec names; ppo talks to the critic service at `critic_url`."""
     if spec.algorithm.name == "reinforce":
         from reinforce.trainer.algorithms.reinforce import Reinforce
 
         return Reinforce(spec, ranks)
+    if spec.algorithm.name == "ppo":
+        from reinforce.critic.client import CriticClient
+        from reinforce.trainer.algorithms.ppo_trainer import PPO
+
+        if critic_url is None:
+            raise ValueError("algorithm.name ppo needs the critic service's URL (--critic-url)")
+        return PPO(spec, ranks, CriticClient(critic_url, os.environ.get(CONTROL_TOKEN_ENV, "")))
     raise ValueError(f"algorithm.name {spec.algorithm.name!r} is not available")

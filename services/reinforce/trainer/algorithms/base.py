@@ -1,8 +1,10 @@
 """The algorithm seam: advantages from a step's groups, the loss of its micro-batches, its metrics.
 
-Implementations, chosen by `algorithm.name`: `reinforce` (reinforce.py: RLOO baseline and a KL penalty). An
-algorithm owns the passes of one optimisation step over its rank's groups, using the backend for log-probs and
-the optimizer step, and returns the step's metrics.
+Implementations, chosen by `algorithm.name`: `reinforce` (reinforce.py: a group baseline and a KL penalty) and `ppo`
+(ppo_trainer.py, the math in ppo.py: GAE with the critic service, the clipped objective). An algorithm owns the
+passes of one optimisation step over its rank's groups, using the backend for log-probs and the optimizer step,
+and returns the step's metrics. State of its own outside the backend (PPO's critic) is saved and restored with the
+trainer's checkpoints.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ class Algorithm(ABC):
     @abstractmethod
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
         """One optimisation step on this rank's groups of the step (trained weights: `version`): its metrics."""
+
+    def restore(self, step: int) -> None:
+        """Go back to the state of the trainer's checkpoint at `step` (0: the start), before the trainer trains.
+
+        Nothing by default: the backend's state is all the trainer's checkpoint holds."""
+        return None
+
+    def save(self, step: int) -> None:
+        """Save the state of the trainer's checkpoint at `step`; called before the trainer writes its own."""
+        return None
+
+    def close(self) -> None:
+        """Release connections and threads."""
+        return None
 
 
 class TokenStats:

@@ -12,6 +12,10 @@ y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen init
     A_i                = rewards_with_kl_i - b_i                 (a constant: it carries no gradient)
     loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i
 
+`algorithm.advantage_estimator` chooses A: rloo (above, the default), grpo (group-normalised) or
+reinforce_plus_plus (a per-token A_it, whitened over the step's batch); the other two are in advantages.py, and
+the loss is the same with A_it in place of A_i.
+
 Asynchronous mode (max_policy_lag > 0) samples with weights up to n versions old (the behaviour policy mu);
 each token's term is then weighted by the truncated importance weight  min(pi(y_t) / mu(y_t), cap),
 a constant like A_i, so the gradient estimates the current policy's.
@@ -32,9 +36,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from reinforce.trainer.algorithms.advantages import (
+    AdvantageEstimator,
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+)
 from reinforce.trainer.algorithms.base import Algorithm, TokenStats
+from reinforce.trainer.algorithms.ppo import SumOverRanks, local_sum
 from reinforce.trainer.backends.base import TrainerBackend
-from reinforce.trainer.batch import StepBatch, generator_logprobs, token_lists
+from reinforce.trainer.batch import StepBatch, generator_logprobs, pad_cat, token_lists
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -108,10 +118,11 @@ def policy_gradient_loss(
 ) -> Tensor:
     """The REINFORCE loss of a (micro-)batch: -(1/N) sum mask * w * log pi * A, with N the step's token count.
 
-    logprobs, mask and importance_weights w (default 1): [B, T]; advantages: [B]. Summing this over
-    micro-batches gives the step's masked token mean, whatever the micro-batch size.
+    logprobs, mask and importance_weights w (default 1): [B, T]; advantages: [B] (one per sample) or [B, T] (one
+    per token). Summing this over micro-batches gives the step's masked token mean, whatever the micro-batch size.
     """
-    per_token = logprobs * advantages.detach().unsqueeze(-1)
+    advantages = advantages.detach()
+    per_token = logprobs * (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages)
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach()
     return -torch.where(mask.bool(), per_token, 0.0).sum() / max(num_tokens, 1)
@@ -127,57 +138,107 @@ def mismatched_groups(
     return (gap.view(-1, k) > limit).any(-1) & same_version.view(-1, k).all(-1)
 
 
+@dataclass(frozen=True)
+class TokenAdvantages:
+    """What the loss needs from any estimator: per-token advantages and, for the metrics, each sample's KL."""
+
+    kl: Tensor  # [B] KL_i, the masked mean of the per-token estimate
+    advantages: Tensor  # [B, T], 0 on padding, no gradient
+
+
+def token_advantages(
+    estimator: AdvantageEstimator,
+    rewards: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    is_end: Tensor,
+    kl_penalty: float,
+    kl_estimator: KLEstimator,
+    use_absolute_kl: bool,
+    all_reduce: SumOverRanks = local_sum,
+) -> TokenAdvantages:
+    """Advantages of one step's batch. rewards, is_end: [num_prompts, k]; logprobs (of the sampling policy, no
+    gradient needed), ref_logprobs, mask: [B, T] with B = num_prompts * k, the samples of a prompt adjacent.
+    all_reduce (reinforce_plus_plus): the sum over data-parallel ranks of the whitening's statistics."""
+    logprobs, mask = logprobs.detach(), mask.bool()
+    kl_tokens = kl_per_token(logprobs, ref_logprobs, kl_estimator, use_absolute_kl)
+    kl = sequence_kl(logprobs, ref_logprobs, mask, kl_estimator, use_absolute_kl)
+    if estimator == "reinforce_plus_plus":
+        return TokenAdvantages(
+            kl, reinforce_plus_plus_advantages(rewards.reshape(-1), kl_tokens, mask, kl_penalty, all_reduce)
+        )
+    if estimator == "rloo":
+        per_sample = rloo_advantages(rewards, kl.view(rewards.shape), is_end, kl_penalty).advantages
+    elif estimator == "grpo":
+        per_sample = grpo_advantages(rewards - kl_penalty * kl.view(rewards.shape))
+    else:
+        raise ValueError(f"unknown advantage_estimator {estimator!r} (expected rloo, grpo or reinforce_plus_plus)")
+    advantages = torch.where(mask, per_sample.reshape(-1, 1).to(logprobs.dtype), 0.0)
+    return TokenAdvantages(kl, advantages.detach())
+
+
 class Reinforce(Algorithm):
-    """One pass over the step's groups, micro-batched by whole groups (RLOO needs them): the formulas above."""
+    """One pass over the step's groups, micro-batched by whole groups (the group estimators need them).
+
+    reinforce_plus_plus whitens over the whole step's batch, which no micro-batch sees: a first pass without
+    gradient computes its advantages from the step's log-probs (the weights do not change before the step's one
+    optimizer step), then the optimisation pass uses them.
+    """
 
     name = "reinforce"
 
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
         alg, t = self.spec.algorithm, self.spec.training
         temperature = self.spec.generation.temperature
+        train_start = time.perf_counter()
+        whole_batch, ref_seconds = None, 0.0
+        if alg.advantage_estimator == "reinforce_plus_plus":
+            whole_batch, ref_seconds = self.whole_batch_advantages(batch, backend)
         backend.zero_grad()
         num_tokens = self.ranks.sum(batch.num_tokens)  # N: the token count of every rank's batch
-        kl_all, rwk_all, adv_all = [], [], []
-        loss_total, ref_seconds, refused_groups = 0.0, 0.0, 0
-        mismatch, weights = TokenStats(), TokenStats()
-        train_start = time.perf_counter()
+        kl_all, loss_total, refused_groups = [], 0.0, 0
+        advantages_abs, mismatch, weights = TokenStats(), TokenStats(), TokenStats()
+        k = alg.num_rollouts_per_prompt
         for start in range(0, len(batch.groups), t.micro_batch_prompts):
             rows = slice(start, start + t.micro_batch_prompts)
             groups = batch.groups[rows]
             prompt_ids, response_ids = token_lists(groups)
-            ref_start = time.perf_counter()
-            ref_logprobs = backend.reference_logprobs(prompt_ids, response_ids, temperature)
-            ref_seconds += time.perf_counter() - ref_start
+            if whole_batch is None:
+                ref_start = time.perf_counter()
+                ref_logprobs = backend.reference_logprobs(prompt_ids, response_ids, temperature)
+                ref_seconds += time.perf_counter() - ref_start
             logprobs, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
-            kl = sequence_kl(logprobs.detach(), ref_logprobs, mask, alg.kl_estimator, alg.use_absolute_kl)
-            rewards = batch.rewards[rows]
-            adv = rloo_advantages(rewards, kl.view(rewards.shape), batch.is_end[rows], alg.initial_policy_kl_penalty)
+            if whole_batch is None:
+                adv = self.advantages(batch.rewards[rows], logprobs, ref_logprobs, mask, batch.is_end[rows])
+            else:
+                samples = slice(start * k, (start + len(groups)) * k)
+                adv = TokenAdvantages(whole_batch.kl[samples], whole_batch.advantages[samples, : mask.shape[1]])
             behaviour = generator_logprobs(groups, like=logprobs)
             same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
-            refused = mismatched_groups(
-                behaviour, logprobs, mask, same_version, rewards.shape[1], t.max_logprob_mismatch
-            )
+            refused = mismatched_groups(behaviour, logprobs, mask, same_version, k, t.max_logprob_mismatch)
             refused_groups += int(refused.sum())
-            kept = batch.keep[rows] & ~refused.unsqueeze(-1)
-            loss_mask = mask * kept.reshape(-1, 1)
+            loss_mask = mask * (batch.keep[rows] & ~refused.unsqueeze(-1)).reshape(-1, 1)
             rho = None
             if alg.max_policy_lag > 0:
                 rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
                 weights.add(rho, loss_mask)
-            loss = policy_gradient_loss(logprobs, adv.advantages.reshape(-1), loss_mask, num_tokens, rho)
+            loss = policy_gradient_loss(logprobs, adv.advantages, loss_mask, num_tokens, rho)
             loss.backward()
             loss_total += loss.item()
             # train/inference mismatch: only where the generator had the very weights being trained
             mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
+            advantages_abs.add(adv.advantages.abs(), loss_mask)
             kl_all.append(adv.kl)
-            rwk_all.append(adv.rewards_with_kl)
-            adv_all.append(adv.advantages)
         grad_norm, lr = backend.optimizer_step()
-        keep = batch.keep
+        keep = batch.keep.reshape(-1)
+        kl = torch.cat(kl_all)
         return {
-            "train_rollouts/init_policy_kl": torch.cat(kl_all)[keep].mean().item(),
-            "train_rollouts/rewards_with_kl": torch.cat(rwk_all)[keep].mean().item(),
-            "train_rollouts/advantages_abs": torch.cat(adv_all)[keep].abs().mean().item(),
+            "train_rollouts/init_policy_kl": kl[keep].mean().item(),
+            "train_rollouts/rewards_with_kl": (batch.rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl)[keep]
+            .mean()
+            .item(),
+            "train_rollouts/advantages_abs": advantages_abs.mean(),
             "train_rollouts/logprob_mismatch": mismatch.mean(),
             "train_rollouts/refused_mismatched_groups": float(refused_groups),
             "train_rollouts/importance_weight_mean": weights.mean(),
@@ -189,3 +250,30 @@ class Reinforce(Algorithm):
             "timers/init_logprobs": ref_seconds,
             "timers/train_time": time.perf_counter() - train_start - ref_seconds,
         }
+
+    def advantages(
+        self, rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, is_end: Tensor
+    ) -> TokenAdvantages:
+        alg = self.spec.algorithm
+        return token_advantages(
+            alg.advantage_estimator, rewards, logprobs, ref_logprobs, mask, is_end,
+            alg.initial_policy_kl_penalty, alg.kl_estimator, alg.use_absolute_kl, self.ranks.sum_tensor,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def whole_batch_advantages(self, batch: StepBatch, backend: TrainerBackend) -> tuple[TokenAdvantages, float]:
+        """The advantages of every sample of the step ([B, T] over the whole batch), and the reference's seconds."""
+        temperature, micro = self.spec.generation.temperature, self.spec.training.micro_batch_prompts
+        logprobs, ref_logprobs, masks, ref_seconds = [], [], [], 0.0
+        for start in range(0, len(batch.groups), micro):
+            prompt_ids, response_ids = token_lists(batch.groups[start : start + micro])
+            ref_start = time.perf_counter()
+            ref_logprobs.append(backend.reference_logprobs(prompt_ids, response_ids, temperature))
+            ref_seconds += time.perf_counter() - ref_start
+            current, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
+            logprobs.append(current)
+            masks.append(mask)
+        advantages = self.advantages(
+            batch.rewards, pad_cat(logprobs), pad_cat(ref_logprobs), pad_cat(masks), batch.is_end
+        )
+        return advantages, ref_seconds

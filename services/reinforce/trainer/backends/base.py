@@ -38,6 +38,12 @@ class TrainerBackend(ABC):
         """(log pi of each response token [B, T], differentiable; mask [B, T]), as models.response_logprobs."""
 
     @abstractmethod
+    def policy_logprobs_and_entropy(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log pi [B, T], the entropy H_t of each token's distribution [B, T], both differentiable; mask [B, T])."""
+
+    @abstractmethod
     def reference_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
-from reinforce.core.models import load_policy, response_logprobs
+from reinforce.core.models import load_policy, response_logprobs, response_logprobs_and_entropy
 from reinforce.core.spec import LoraSpec, TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.distributed import Ranks
@@ -42,6 +42,11 @@ class TorchBackend(TrainerBackend):
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self.policy, prompt_ids, response_ids, temperature)
+
+    def policy_logprobs_and_entropy(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return response_logprobs_and_entropy(self.policy, prompt_ids, response_ids, temperature)
 
     @torch.no_grad()
     def reference_logprobs(

@@ -1,0 +1,3 @@
+from reinforce.critic.server import main
+
+main()

@@ -1,0 +1,436 @@
+"""The PPO critic as a service: values for the trainer's GAE, and the critic's own updates, in one process.
+
+    python -m reinforce.critic --spec RUN_DIR/spec.yaml [--port N] [--host H] [--device D]
+        (the control token comes from $REINFORCE_CONTROL_TOKEN)
+
+The run spec's `critic` section says how the value model starts (from the initial policy or a reward model) and
+trains (AdamW, value clipping, micro-batches); its checkpoints go to RUN_DIR/critic_checkpoints.
+
+NeMo-Aligner's serve_ppo_critic.py (CriticServerTrainer) as a FastAPI service. NeMo-Aligner binds infer, train and
+save as three PyTriton "models". FastAPI rather than Triton here: training and checkpointing are not inference.
+They are ordered, stateful commands on one model and one optimizer that must never be batched together or run
+beside a forward pass; a Triton Python-backend model serves stateless infer requests well but has no clean place
+for an optimizer, its state, a lock ordering train against infer, or an atomic checkpoint and resume. Every other
+control plane of this pipeline is FastAPI too (same bearer token, probes and Prometheus endpoint).
+
+Endpoints (JSON bodies, see api.py; /v1/* need `Authorization: Bearer <token>`, checked before the body is read,
+and bodies are capped at critic.max_request_mb):
+    POST /v1/values      prompt and response token ids -> V(s_t) for every response token, the state before it is
+                         emitted (the positions of response_logprobs)
+    POST /v1/train       minibatches of token ids, returns and old values -> one AdamW step per minibatch (value-
+                         clipped loss of ppo.critic_loss, gradient clipping), the losses
+    POST /v1/checkpoint  {step}: model, optimizer and RNG into critic_checkpoints/step-NNNNNN/, atomically
+    POST /v1/restore     {step}: load that checkpoint and delete newer ones (a trainer resuming from an earlier
+                         step than the critic's latest); step 0 without a checkpoint: the fresh critic
+    GET  /healthz, /readyz, /metrics (Prometheus: reinforce_critic_*)
+On start the service loads the latest checkpoint in its folder, so a restarted critic continues exactly.
+One lock serialises everything that touches the model: a values request never sees half an optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from safetensors.torch import load_model, save_model
+from starlette.concurrency import run_in_threadpool
+
+from reinforce.core.metrics import CriticMetrics
+from reinforce.core.models import materialize_policy
+from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_PORT, HEALTH_PATH, METRICS_PATH, READY_PATH
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import CriticSpec, RunSpec, load_spec
+from reinforce.critic.api import (
+    CHECKPOINT_PATH,
+    RESTORE_PATH,
+    TRAIN_PATH,
+    VALUES_PATH,
+    CheckpointRequest,
+    CheckpointResponse,
+    Minibatch,
+    MinibatchResult,
+    ReadyResponse,
+    TrainRequest,
+    TrainResponse,
+    ValuesRequest,
+    ValuesResponse,
+)
+from reinforce.critic.value_model import load_value_model, response_values
+from reinforce.trainer.algorithms.ppo import critic_loss
+
+log = logging.getLogger("reinforce.critic")
+Body = TypeVar("Body", bound=BaseModel)
+PATHS = (VALUES_PATH, TRAIN_PATH, CHECKPOINT_PATH, RESTORE_PATH, HEALTH_PATH, READY_PATH, METRICS_PATH)
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """How the critic service runs: the run spec's `critic` section, and the folders, address and device."""
+
+    model: Path  # Hugging Face folder: the policy (init policy) or a num_labels == 1 reward model (init reward_model)
+    checkpoints: Path  # where /v1/checkpoint writes and where start-up resumes from
+    critic: CriticSpec = field(default_factory=CriticSpec)
+    keep_checkpoints: int = 2  # newest checkpoints kept (the trainer's training.keep_checkpoints)
+    host: str = "127.0.0.1"  # loopback unless asked: the bearer token is the only authentication
+    port: int = CRITIC_PORT
+    seed: int = 0  # torch's RNG at start (dropout, if the model has any); a resume restores the saved state
+    device: str = "cpu"
+
+    @classmethod
+    def from_spec(
+        cls, spec: RunSpec, port: int = CRITIC_PORT, host: str = "127.0.0.1", device: str = "cpu"
+    ) -> CriticConfig:
+        paths = RunPaths(spec.resolved_run_dir())
+        c = spec.critic
+        model = paths.initial_policy if c.init == "policy" else Path(str(c.reward_model_path))
+        return cls(model, paths.critic_checkpoints, c, spec.training.keep_checkpoints, host, port, spec.seed, device)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+# checkpoints/step-000010/
+#     model.safetensors   value model (body and head)
+#     optimizer.pt        AdamW state: tensors and numbers only, read back with torch.load(weights_only=True)
+#     rng.pt              torch RNG state(s)
+#     critic_state.json   {"step": ..., "train_steps": ...}
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first; temporary folders start with '.' and never match."""
+    found = [(int(m.group(1)), p) for p in root.glob("step-*") if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_steps: int, keep: int
+) -> Path:
+    """Write into a temporary folder, fsync, then rename: a crash leaves the old checkpoints and no half-written one."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, step)
+    tmp = root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "critic_state.json").write_text(json.dumps({"step": step, "train_steps": train_steps}))
+    for path in (*tmp.iterdir(), tmp):
+        _fsync(path)
+    # The same step again (a trainer that redid it): move the old one aside rather than delete it before the rename.
+    aside = root / f".old-{final.name}"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    for _, old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Restore model, optimizer and RNG exactly; returns critic_state.json."""
+    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((path / "critic_state.json").read_text())
+
+
+# ---- the critic ------------------------------------------------------------------------------------------------
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
+def _padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
+    """Right-pad per-token floats to `like`'s [B, T]."""
+    out = torch.zeros_like(like)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=like.dtype)
+    return out
+
+
+class Critic:
+    """The value model, its AdamW, the step counters and the lock that serialises every use of them."""
+
+    def __init__(self, config: CriticConfig, metrics: CriticMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or CriticMetrics()
+        self.lock = threading.Lock()
+        self._initialise()
+        self.vocab_size = int(self.model.config.vocab_size)
+        checkpoints = list_checkpoints(config.checkpoints)
+        if checkpoints:
+            self._load(*checkpoints[-1])
+            log.info("resumed from %s (%d optimizer steps)", checkpoints[-1][1], self.train_steps)
+
+    def _initialise(self) -> None:
+        """The value model, AdamW and counters as a fresh critic has them (the same bytes every time)."""
+        c, optim = self.config, self.config.critic
+        torch.manual_seed(c.seed)
+        self.model = load_value_model(c.model, optim.init).to(c.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.adam_betas, weight_decay=optim.weight_decay
+        )
+        self.train_steps = 0
+        self.checkpoint_step: int | None = None
+        self.metrics.train_steps.set(0)
+
+    def _check_ids(self, request: ValuesRequest) -> None:
+        # an id past the embedding table would fail deep inside the forward pass (a 500); say which row instead
+        for name in ("prompt_token_ids", "response_token_ids"):
+            for i, row in enumerate(getattr(request, name)):
+                if row and max(row) >= self.vocab_size:
+                    raise ValueError(f"{name}[{i}] holds id {max(row)}, past the vocabulary ({self.vocab_size})")
+
+    def values(self, request: ValuesRequest) -> ValuesResponse:
+        self._check_ids(request)
+        prompts, responses = request.prompt_token_ids, request.response_token_ids
+        out: list[list[float]] = []
+        with self.lock, torch.no_grad():
+            for rows in _chunks(len(prompts), self.config.critic.micro_batch_size):
+                values, _ = response_values(self.model, prompts[rows], responses[rows])
+                out += [v[: len(r)].tolist() for v, r in zip(values.cpu(), responses[rows], strict=True)]
+        return ValuesResponse(values=out)
+
+    def train(self, request: TrainRequest) -> TrainResponse:
+        for minibatch in request.minibatches:
+            self._check_ids(minibatch)
+        results: list[MinibatchResult] = []
+        with self.lock:
+            self.model.train()
+            try:
+                for minibatch in request.minibatches:
+                    results.append(self._step(minibatch))
+            except RuntimeError as err:
+                raise RuntimeError(f"minibatch {len(results)}: {err} (the minibatches before it were applied)") from err
+            finally:
+                self.model.eval()
+        return TrainResponse(
+            critic_loss=sum(r.critic_loss for r in results) / len(results),
+            grad_norm=sum(r.grad_norm for r in results) / len(results),
+            minibatches=results,
+            train_steps=self.train_steps,
+        )
+
+    def _step(self, minibatch: Minibatch) -> MinibatchResult:
+        """One AdamW step on a minibatch, micro-batched; the loss is the minibatch's token mean."""
+        c = self.config.critic
+        prompts, responses = minibatch.prompt_token_ids, minibatch.response_token_ids
+        num_tokens = sum(len(r) for r in responses)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, clipped_tokens = 0.0, 0.0
+        for rows in _chunks(len(prompts), c.micro_batch_size):
+            values, mask = response_values(self.model, prompts[rows], responses[rows])
+            returns = _padded(minibatch.returns[rows], values)
+            old_values = _padded(minibatch.old_values[rows], values)
+            out = critic_loss(values, old_values, returns, mask, c.value_clip, num_tokens)
+            out.loss.backward()
+            loss += out.loss.item()
+            clipped_tokens += out.clip_fraction.item() * float(mask.sum())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            # stepping would write nan into every weight the optimizer touches, and into its moments
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"non-finite critic gradient (norm {grad_norm}); its step was not applied")
+        self.optimizer.step()
+        self.train_steps += 1
+        result = MinibatchResult(
+            critic_loss=loss, grad_norm=grad_norm, value_clip_fraction=clipped_tokens / num_tokens, tokens=num_tokens
+        )
+        self.metrics.train_steps.set(self.train_steps)
+        self.metrics.train_tokens.inc(num_tokens)
+        self.metrics.loss.set(result.critic_loss)
+        self.metrics.grad_norm.set(grad_norm)
+        self.metrics.value_clip_fraction.set(result.value_clip_fraction)
+        return result
+
+    def save(self, step: int) -> CheckpointResponse:
+        start = time.perf_counter()
+        with self.lock:
+            c = self.config
+            path = save_checkpoint(
+                c.checkpoints, step, self.model, self.optimizer, self.train_steps, c.keep_checkpoints
+            )
+            self.checkpoint_step = step
+        self.metrics.checkpoint_step.set(step)
+        self.metrics.checkpoint_seconds.set(time.perf_counter() - start)
+        log.info("checkpoint %s", path)
+        return CheckpointResponse(step=step, path=str(path), train_steps=self.train_steps)
+
+    def restore(self, step: int) -> CheckpointResponse:
+        """Load checkpoint `step` and delete newer ones: they belong to a history the trainer has abandoned, and
+        a later restart must not resume from them. Step 0 without a checkpoint is the fresh critic (a trainer that
+        starts over before its first checkpoint)."""
+        with self.lock:
+            path = checkpoint_dir(self.config.checkpoints, step)
+            if path.is_dir():
+                self._load(step, path)
+            elif step == 0:
+                self._initialise()
+            else:
+                raise FileNotFoundError(f"no critic checkpoint for step {step} in {self.config.checkpoints}")
+            for newer_step, newer in list_checkpoints(self.config.checkpoints):
+                if newer_step > step:
+                    shutil.rmtree(newer, ignore_errors=True)
+        log.info("restored step %d", step)
+        return CheckpointResponse(step=step, path=str(path), train_steps=self.train_steps)
+
+    def _load(self, step: int, path: Path) -> None:
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.train_steps = int(state["train_steps"])
+        self.checkpoint_step = step
+        self.metrics.train_steps.set(self.train_steps)
+        self.metrics.checkpoint_step.set(step)
+
+    def ready(self) -> ReadyResponse:
+        return ReadyResponse(ready=True, train_steps=self.train_steps, checkpoint_step=self.checkpoint_step)
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------------
+async def _read_body(request: Request, model: type[Body], max_bytes: int) -> Body:
+    """The request's JSON body as `model`, refused (413) past max_bytes: by Content-Length before reading, and by
+    counting while reading (a chunked body has no length)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        raise HTTPException(status_code=413, detail=f"request body over {max_bytes} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise HTTPException(status_code=413, detail=f"request body over {max_bytes} bytes")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as err:
+        # without the offending input: it may be inf, which a JSON answer cannot carry
+        raise HTTPException(
+            status_code=422, detail=json.loads(err.json(include_url=False, include_input=False))
+        ) from None
+
+
+async def _call(fn: Callable[[Body], BaseModel], body: Body) -> dict:
+    """Run a model-touching call off the event loop (probes stay answerable during a long train request)."""
+    try:
+        return (await run_in_threadpool(fn, body)).model_dump()
+    except ValueError as err:
+        raise HTTPException(status_code=422, detail=str(err)) from None
+    except FileNotFoundError as err:
+        raise HTTPException(status_code=404, detail=str(err)) from None
+    except RuntimeError as err:  # a refused step: say why rather than a bare 500
+        raise HTTPException(status_code=500, detail=str(err)) from None
+
+
+def create_app(critic: Critic, token: str) -> FastAPI:
+    """Probes and metrics are open; /v1/* demand `Authorization: Bearer <token>`."""
+    app = FastAPI(title="reinforce critic")
+    expected = f"Bearer {token}".encode()
+    max_bytes = int(critic.config.critic.max_request_mb * 2**20)
+
+    # The handlers declare no body parameter, so FastAPI resolves this dependency before anything reads the body:
+    # an unauthenticated client cannot make the service read (or buffer) a large upload.
+    def authorized(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        # unknown paths share one label, so a scanner cannot blow up the series count
+        endpoint = request.url.path if request.url.path in PATHS else "other"
+        start = time.perf_counter()
+        code = "500"
+        try:
+            response = await call_next(request)
+            code = str(response.status_code)
+            return response
+        finally:
+            critic.metrics.requests.labels(endpoint, code).inc()
+            critic.metrics.seconds.labels(endpoint).observe(time.perf_counter() - start)
+
+    @app.get(HEALTH_PATH)
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get(READY_PATH)
+    def readyz() -> dict:
+        # The service starts listening only after the model is loaded and resumed: answering means ready.
+        return critic.ready().model_dump()
+
+    @app.get(METRICS_PATH)
+    def metrics() -> Response:
+        return Response(generate_latest(critic.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post(VALUES_PATH, dependencies=[Depends(authorized)])
+    async def values(request: Request) -> dict:
+        return await _call(critic.values, await _read_body(request, ValuesRequest, max_bytes))
+
+    @app.post(TRAIN_PATH, dependencies=[Depends(authorized)])
+    async def train(request: Request) -> dict:
+        return await _call(critic.train, await _read_body(request, TrainRequest, max_bytes))
+
+    @app.post(CHECKPOINT_PATH, dependencies=[Depends(authorized)])
+    async def checkpoint(request: Request) -> dict:
+        body = await _read_body(request, CheckpointRequest, max_bytes)
+        return await _call(lambda b: critic.save(b.step), body)
+
+    @app.post(RESTORE_PATH, dependencies=[Depends(authorized)])
+    async def restore(request: Request) -> dict:
+        body = await _read_body(request, CheckpointRequest, max_bytes)
+        return await _call(lambda b: critic.restore(b.step), body)
+
+    return app
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reinforce.critic", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
+    parser.add_argument("--host", default="127.0.0.1", help="Bind address (default: loopback only).")
+    parser.add_argument("--port", type=int, default=CRITIC_PORT)
+    parser.add_argument("--device", default="cpu", help="torch device of the value model (cpu, cuda, ...).")
+    args = parser.parse_args(argv)
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"${CONTROL_TOKEN_ENV} must hold the critic's bearer token")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s critic %(levelname)s %(message)s")
+    spec = load_spec(args.spec)
+    config = CriticConfig.from_spec(spec, args.port, args.host, args.device)
+    if spec.critic.init == "policy":
+        # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns).
+        materialize_policy(spec.policy, config.model, spec.seed)
+    critic = Critic(config)  # loads the model and resumes before the port opens: answering /readyz means ready
+    uvicorn.run(create_app(critic, token), host=config.host, port=config.port, log_level="warning")

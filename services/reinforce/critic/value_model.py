@@ -1,0 +1,105 @@
+"""The critic's value model: a transformer body with a scalar head, V(s_t) for every response token.
+
+Two ways to build it, as NeMo-Aligner's PPO critic allows (it starts from a reward model checkpoint; starting from
+the policy is TRL's and OpenRLHF's default):
+
+- `policy`: the policy folder's architecture and weights without the LM head (AutoModel), and a new head
+  nn.Linear(hidden, 1) initialised to zero, weight and bias. Zero rather than small random: every state's value
+  starts at exactly 0, so the first GAE advantages are the discounted rewards themselves instead of rewards minus
+  head noise, and the initial critic is the same bytes on every restart and replica without seeding anything. The
+  head learns from the first step (its gradient is (V - R) * h); the body follows from the second.
+- `reward_model`: a Hugging Face sequence classifier with num_labels == 1 (AutoModelForSequenceClassification): its
+  body, and its `score` head copied into the value head (bias 0 where the classifier has none). It must share the
+  policy's tokenizer: the critic is given the policy's token ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
+
+from reinforce.core.models import response_positions, right_padded
+from reinforce.core.spec import CriticInit
+
+
+class ValueModel(nn.Module):
+    """body: a Hugging Face base model (LlamaModel, ...) that returns last_hidden_state; head: Linear(hidden, 1)."""
+
+    def __init__(self, body: PreTrainedModel, head: nn.Linear) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.body.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+
+def value_model_from_policy(folder: str | Path) -> ValueModel:
+    body = AutoModel.from_pretrained(Path(folder), dtype=torch.float32, local_files_only=True)
+    head = nn.Linear(body.config.hidden_size, 1, dtype=torch.float32)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return ValueModel(body, head)
+
+
+def value_model_from_reward_model(folder: str | Path) -> ValueModel:
+    classifier = AutoModelForSequenceClassification.from_pretrained(
+        Path(folder), dtype=torch.float32, local_files_only=True
+    )
+    if classifier.config.num_labels != 1:
+        raise ValueError(
+            f"{folder}: a reward model for the critic has num_labels 1, not {classifier.config.num_labels}"
+        )
+    score = getattr(classifier, "score", None)
+    if not isinstance(score, nn.Linear) or score.out_features != 1:
+        raise ValueError(f"{folder}: no `score` Linear head (decoder-only sequence classifiers have one)")
+    head = nn.Linear(score.in_features, 1, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(score.weight)
+        head.bias.copy_(score.bias if score.bias is not None else torch.zeros(1))
+    return ValueModel(classifier.base_model, head)
+
+
+def load_value_model(folder: str | Path, init: CriticInit) -> ValueModel:
+    """The value model in float32 and eval mode (the service switches to train mode for its updates)."""
+    if init == "policy":
+        model = value_model_from_policy(folder)
+    elif init == "reward_model":
+        model = value_model_from_reward_model(folder)
+    else:
+        raise ValueError(f"unknown critic init {init!r} (expected policy or reward_model)")
+    return model.eval()
+
+
+def response_values(
+    model: ValueModel, prompt_ids: list[list[int]], response_ids: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V(s_t) for every response token t: the head on the hidden state that predicts token t (the state before it
+    is emitted), the very positions whose log-probs `response_logprobs` returns.
+
+    Returns (values [B, T], mask [B, T]) right-padded to the longest response, 0 on padding; differentiable when
+    grad is enabled. The head runs only on the response positions.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token: the state before the first response token")
+    device = model.device
+    input_ids, attention = right_padded(prompt_ids, response_ids, model.config.pad_token_id or 0)
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
+    positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
+    hidden = model.body(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
+    rows, cols, _, mask = response_positions(prompt_ids, response_ids, device)
+    picked = model.head(hidden[rows, cols].float()).squeeze(-1)  # [N], N = real response tokens
+    values = torch.zeros(mask.shape, dtype=picked.dtype, device=device)
+    values[mask.bool()] = picked  # row-major order matches response_positions
+    return values, mask

@@ -1,0 +1,193 @@
+"""PPO with a learned critic: GAE, the clipped surrogate objective and a clipped value loss, as NeMo-Aligner does it.
+
+Written to be read top to bottom, like `reinforce.py`. A response y_0..y_{n-1} to a prompt x is sampled by pi_old,
+the policy weights that generated the batch (their log-probs are computed once, before the first update on it);
+pi_ref is the frozen initial policy and V the critic. s_t is the state before y_t is emitted (x and y_<t), so V(s_t)
+sits at the same position as log pi(y_t | s_t) in `response_logprobs`. Tensors are right-padded [B, T], mask 1 on
+the n real tokens of each row.
+
+    kl_t      = kl_per_token(log pi_old(y_t), log pi_ref(y_t))      k1 |d_t| by default, as in reinforce.py
+    r_t       = - beta * kl_t  +  [t = n - 1] * RM(x, y)             the score lands on the last real token
+    delta_t   = r_t + gamma * V(s_{t+1}) - V(s_t)                     V(s_n) = 0: nothing follows the last token
+    A_t       = delta_t + gamma * lambda * A_{t+1}                    A_n = 0                           (GAE)
+    R_t       = A_t + V(s_t)                                          the critic's regression target (return)
+    Â_t       = (A_t - mean A) / sqrt(var A + 1e-8)                   masked over the batch; var is uncorrected
+    rho_t     = pi(y_t) / pi_old(y_t)
+    L_clip    = (1/N) sum_t mask_t * max(-Â_t * rho_t,  -Â_t * clip(rho_t, 1 - eps, 1 + eps))
+    H         = (1/N) sum_t mask_t * H_t,      H_t = - sum_v pi(v | s_t) log pi(v | s_t)
+    L_actor   = L_clip - c_H * H                                      entropy bonus c_H
+    V^clip_t  = V_old(s_t) + clip(V(s_t) - V_old(s_t), -eps_v, eps_v)  V_old: the critic that valued the rollout
+    L_critic  = (1/N) sum_t mask_t * 0.5 * max((V(s_t) - R_t)^2,  (V^clip_t - R_t)^2)
+
+N is the number of response tokens in the whole (mini)batch: the losses are masked token means, and passing the
+batch's N to each micro-batch makes gradient accumulation add up to exactly the full-batch gradient.
+
+References, NeMo-Aligner (github.com/NVIDIA/NeMo-Aligner):
+    r_t               utils/ppo_utils.py calculate_ppo_rewards (the score at index response_length - 2 of its
+                      [B, S-1] log-prob layout, which is the last real token) and calculate_kl_penalty (k1, |d|)
+    A_t, R_t          utils/ppo_utils.py calculate_advantages_and_returns (values and rewards masked, next value 0
+                      after the last position)
+    Â_t               utils/distributed.py normalize_tensor / masked_global_mean_var ("the variance here is
+                      uncorrected"; rsqrt(var + 1e-8); the mean is not added back)
+    L_clip, metrics   models/nlp/gpt/megatron_gpt_ppo_actor.py (ppo_ratio, ppo_ratio_clamped: masked means of rho
+                      and of clip(rho)); the clip fraction is TRL's GRPOTrainer clip_ratio/region_mean
+    H                 utils/ppo_utils.py calculate_entropy (from the full log-softmax, masked mean)
+    L_critic          models/nlp/gpt/megatron_gpt_critic.py (loss_clip_val <= 0 turns the clipping off)
+Differences: padded positions of Â are 0 here (NeMo leaves (0 - mean) / std there; the losses mask them either
+way), and the per-token KL may be any estimator of reinforce.py, not only k1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SumOverRanks = Callable[[Tensor], Tensor]
+
+
+def local_sum(tensor: Tensor) -> Tensor:
+    """A single rank's sum over ranks: the tensor itself."""
+    return tensor
+
+
+def token_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, kl_penalty: float) -> Tensor:
+    """r_t: the scores [B] and per-token KL [B, T] -> per-token rewards [B, T], 0 on padding.
+
+    An empty response has no token to carry its score, so it contributes nothing; in NeMo-Aligner the score of an
+    empty response lands on a masked position, with the same effect.
+    """
+    mask = mask.bool()
+    lengths = mask.sum(-1)
+    last = (lengths - 1).clamp(min=0).unsqueeze(-1)
+    # torch.where, not a product: padding may hold inf (the log-ratio of garbage), and inf * 0 = nan.
+    per_token = torch.where(mask, -kl_penalty * kl, 0.0)
+    score = torch.where(lengths > 0, rewards.to(per_token.dtype), 0.0).unsqueeze(-1)
+    return per_token.scatter_add(-1, last, score)
+
+
+def generalized_advantages(
+    values: Tensor, rewards: Tensor, mask: Tensor, gamma: float, gae_lambda: float
+) -> tuple[Tensor, Tensor]:
+    """(A_t, R_t) of right-padded [B, T] values V(s_t) and rewards r_t; both 0 on padding and free of gradient.
+
+    Masking the values makes V(s_n) = 0 for every row, whatever its length: the first padded position (or the end
+    of the tensor) stands for the state after the last token.
+    """
+    mask = mask.bool()
+    values = torch.where(mask, values.detach(), 0.0)
+    rewards = torch.where(mask, rewards.detach(), 0.0)
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * gae_lambda * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def masked_mean_var(values: Tensor, mask: Tensor, all_reduce: SumOverRanks = local_sum) -> tuple[Tensor, Tensor]:
+    """Mean and uncorrected (population) variance of the unmasked entries of the whole tensor, as scalars.
+
+    all_reduce sums a tensor over data-parallel ranks (`Ranks.sum_tensor`): the statistics of every rank's share.
+    """
+    mask = mask.bool()
+    count, total = all_reduce(torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()]))
+    count = count.clamp(min=1)
+    mean = total / count
+    var = all_reduce(torch.where(mask, (values - mean).square(), 0.0).sum()) / count
+    return mean, var
+
+
+def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: SumOverRanks = local_sum) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the unmasked entries of the whole batch; 0 on padding.
+
+    The statistics are over every token of the tensor passed in (and of the other ranks' through all_reduce):
+    whiten the whole step's batch, not a micro-batch.
+    """
+    mean, var = masked_mean_var(values, mask, all_reduce)
+    return torch.where(mask.bool(), (values - mean) * torch.rsqrt(var + eps), 0.0)
+
+
+def _token_mean(values: Tensor, mask: Tensor, num_tokens: int | None) -> Tensor:
+    """sum over unmasked entries / N, N = num_tokens or (None) this tensor's own token count."""
+    mask = mask.bool()
+    count = int(mask.sum()) if num_tokens is None else num_tokens
+    return torch.where(mask, values, 0.0).sum() / max(count, 1)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """L_actor (differentiable) and its metrics; the metrics are masked means over this call's tokens, detached."""
+
+    loss: Tensor
+    ppo_ratio: Tensor  # mean rho (NeMo-Aligner's ppo_ratio)
+    ppo_ratio_clamped: Tensor  # mean clip(rho, 1 - eps, 1 + eps) (NeMo-Aligner's ppo_ratio_clamped)
+    clip_fraction: Tensor  # tokens whose clipped term wins the max, so they get no gradient
+    entropy: Tensor | None  # H, when token entropies were given
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ratio_eps: float,
+    num_tokens: int | None = None,
+    entropies: Tensor | None = None,
+    entropy_bonus: float = 0.0,
+) -> PolicyLoss:
+    """The clipped surrogate L_actor. logprobs (differentiable), old_logprobs, advantages (whitened), mask, and the
+    optional token entropies H_t: all [B, T]. num_tokens: N of the whole batch (None: this call's token count)."""
+    mask = mask.bool()
+    advantages = advantages.detach()
+    # Padding's log-ratio is set to 0 before exp: exp of garbage may overflow, and its gradient (0 * inf) be nan.
+    ratio = torch.exp(torch.where(mask, logprobs - old_logprobs.detach(), 0.0))
+    ratio_clamped = ratio.clamp(1.0 - ratio_eps, 1.0 + ratio_eps)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio_clamped
+    loss = _token_mean(torch.maximum(unclipped, clipped), mask, num_tokens)
+    entropy = None
+    if entropies is not None:
+        loss = loss - entropy_bonus * _token_mean(entropies, mask, num_tokens)
+        entropy = _token_mean(entropies.detach(), mask, None)
+    return PolicyLoss(
+        loss=loss,
+        ppo_ratio=_token_mean(ratio.detach(), mask, None),
+        ppo_ratio_clamped=_token_mean(ratio_clamped.detach(), mask, None),
+        # rho > 1 + eps with A > 0, or rho < 1 - eps with A < 0 (TRL's clip_ratio/region_mean)
+        clip_fraction=_token_mean((clipped > unclipped).detach().to(ratio.dtype), mask, None),
+        entropy=entropy,
+    )
+
+
+@dataclass(frozen=True)
+class CriticLoss:
+    """L_critic (differentiable) and the fraction of tokens whose clipped error won the max (detached)."""
+
+    loss: Tensor
+    clip_fraction: Tensor
+
+
+def critic_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, value_clip: float, num_tokens: int | None = None
+) -> CriticLoss:
+    """The clipped value loss of [B, T] values (differentiable), old_values V_old and returns R.
+
+    value_clip is eps_v; 0 (or less) turns the clipping off, as NeMo-Aligner's loss_clip_val does.
+    """
+    returns, old_values = returns.detach(), old_values.detach()
+    error = (values - returns).square()
+    if value_clip > 0:
+        clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        clipped_error = (clipped_values - returns).square()
+        worst = torch.maximum(error, clipped_error)
+        clip_fraction = _token_mean((clipped_error > error).detach().to(values.dtype), mask, None)
+    else:
+        worst = error
+        clip_fraction = torch.zeros((), dtype=values.dtype, device=values.device)
+    return CriticLoss(0.5 * _token_mean(worst, mask, num_tokens), clip_fraction)

@@ -1,0 +1,142 @@
+"""Whole optimisation steps of the algorithms on a tiny policy: REINFORCE with each advantage estimator (micro-batching
+changes nothing), and PPO (ppo_trainer.py) with a critic that answers from memory: what it sends the critic, what it
+reports, and that it stops when the critic lost steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforce.core.metrics import STEP_METRICS
+from reinforce.core.models import materialize_policy
+from reinforce.core.records_pb2 import RolloutGroup, Sample
+from reinforce.core.spec import PolicySpec, RandomInit, RunSpec, parse_spec
+from reinforce.critic.api import CheckpointResponse, Minibatch, ReadyResponse, TrainResponse
+from reinforce.critic.client import CriticError
+from reinforce.trainer.algorithms.ppo_trainer import PPO
+from reinforce.trainer.algorithms.reinforce import Reinforce
+from reinforce.trainer.backends.torch_backend import TorchBackend
+from reinforce.trainer.batch import StepBatch
+from reinforce.trainer.distributed import Ranks
+
+K, PROMPTS = 2, 4
+
+
+class MemoryCritic:
+    """CriticClient's methods: values 0.5 everywhere, and a record of what it was asked to train."""
+
+    def __init__(self, lose_steps: bool = False) -> None:
+        self.trained: list[Minibatch] = []
+        self.lose_steps = lose_steps
+
+    def values(self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]) -> list[list[float]]:
+        return [[0.5] * len(r) for r in response_token_ids]
+
+    def train(self, minibatches: list[Minibatch]) -> TrainResponse:
+        self.trained += minibatches
+        steps = len(self.trained) - (1 if self.lose_steps else 0)
+        return TrainResponse(critic_loss=0.25, grad_norm=1.0, minibatches=[], train_steps=steps)
+
+    def restore(self, step: int) -> CheckpointResponse:
+        return CheckpointResponse(step=step, path="", train_steps=0)
+
+    def wait_ready(self) -> ReadyResponse:
+        return ReadyResponse(ready=True, train_steps=0, checkpoint_step=None)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    init = RandomInit(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2)
+    return materialize_policy(PolicySpec(random_init=init), tmp_path_factory.mktemp("ppo") / "policy", seed=0)
+
+
+def spec_with(algorithm: dict, micro_batch_prompts: int = 1) -> RunSpec:
+    return parse_spec(
+        {
+            "name": "t",
+            "policy": {"random_init": {}},
+            "data": {"prompts": "p.txt"},
+            "algorithm": {"num_rollouts_per_prompt": K, **algorithm},
+            # the samples' recorded log-probs are made up, not the policy's: no group may be refused for them
+            "training": {
+                "prompts_per_step": PROMPTS,
+                "micro_batch_prompts": micro_batch_prompts,
+                "lr": 1e-2,
+                "max_logprob_mismatch": 1e6,
+            },
+        }
+    )
+
+
+def ppo_spec() -> RunSpec:
+    return spec_with({"name": "ppo", "ppo_epochs": 2, "num_minibatches": 2})
+
+
+def step_batch() -> StepBatch:
+    """Responses of different lengths (one empty), rewards in [0, 1], one non-finite reward, one unended sample."""
+    groups = []
+    for g in range(PROMPTS):
+        samples = [
+            Sample(
+                token_ids=[5 + g, 6, 7][: (g + i) % 4],
+                logprobs=[0.0] * ((g + i) % 4),
+                reward=0.25 * (g + i),
+                is_end=(g, i) != (3, 1),
+            )
+            for i in range(K)
+        ]
+        groups.append(RolloutGroup(prompt_id=f"0-{g}", prompt_token_ids=[1, 8 + g], samples=samples))
+    groups[1].samples[0].reward = float("nan")
+    return StepBatch.from_groups(groups)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo", "reinforce_plus_plus"])
+def test_reinforce_step_is_the_same_whatever_the_micro_batch(policy_dir: Path, estimator: str) -> None:
+    """reinforce_plus_plus whitens over the whole batch (a pass without gradient first); the group estimators need
+    whole groups: either way one micro-batch per prompt trains like one for the whole step."""
+    weights, metrics = [], []
+    for micro in (1, PROMPTS):
+        spec = spec_with({"advantage_estimator": estimator}, micro_batch_prompts=micro)
+        backend = TorchBackend(spec.training, policy_dir, Ranks())
+        metrics.append(Reinforce(spec, Ranks()).update(step_batch(), backend, version=0))
+        weights.append(backend.policy.state_dict())
+    assert set(metrics[0]) <= set(STEP_METRICS)
+    assert metrics[0]["train_rollouts/advantages_abs"] > 0
+    assert metrics[0]["train_optim/loss"] == pytest.approx(metrics[1]["train_optim/loss"], abs=1e-6)
+    # different padding widths sum in another order; AdamW's step (lr 1e-2) divides that float noise by sqrt(v)
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
+
+
+def test_a_step_trains_actor_and_critic_on_the_same_minibatches(policy_dir: Path) -> None:
+    spec = ppo_spec()
+    critic = MemoryCritic()
+    ppo = PPO(spec, Ranks(), critic)  # type: ignore[arg-type]  # the client's interface, from memory
+    backend = TorchBackend(spec.training, policy_dir, Ranks())
+    before = {k: v.clone() for k, v in backend.policy.state_dict().items()}
+    ppo.restore(0)
+    metrics = ppo.update(step_batch(), backend, version=0)
+
+    assert set(metrics) <= set(STEP_METRICS)
+    assert {"train_rollouts/values", "train_optim/critic_loss", "train_optim/ppo_ratio"} <= set(metrics)
+    assert metrics["train_rollouts/values"] == pytest.approx(0.5)
+    assert metrics["train_optim/critic_loss"] == 0.25
+    # 2 epochs x 2 minibatches of 4 samples; the sample with a nan reward is left out of the critic's
+    assert len(critic.trained) == 4 and ppo.critic_steps == 4
+    assert sum(len(m.response_token_ids) for m in critic.trained) == 2 * (PROMPTS * K - 1)
+    for m in critic.trained:
+        assert [len(r) for r in m.returns] == [len(r) for r in m.response_token_ids]
+        assert all(v == 0.5 for row in m.old_values for v in row)
+    assert any(not torch.equal(before[k], v) for k, v in backend.policy.state_dict().items())
+
+
+def test_a_critic_that_lost_steps_stops_the_trainer(policy_dir: Path) -> None:
+    spec = ppo_spec()
+    ppo = PPO(spec, Ranks(), MemoryCritic(lose_steps=True))  # type: ignore[arg-type]
+    ppo.restore(0)
+    with pytest.raises(CriticError, match="restarted from an older checkpoint"):
+        ppo.update(step_batch(), TorchBackend(spec.training, policy_dir, Ranks()), version=0)
