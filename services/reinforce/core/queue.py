@@ -24,6 +24,7 @@ import argparse
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -65,13 +66,16 @@ def add_redis_url_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def connect(url: str, socket_timeout: float = 30.0, max_outage_s: float = 60.0) -> redis.Redis:
+def connect(
+    url: str, socket_timeout: float = 30.0, max_outage_s: float = 60.0, stopping: threading.Event | None = None
+) -> redis.Redis:
     """A client for ``redis://[[user]:password@]host:port/db`` that rides out Redis restarts.
 
     ``socket_timeout`` bounds every command; blocking reads of :class:`RolloutQueue` are shortened to
     fit inside it. Connection errors, timeouts and "loading the dataset" answers are retried with jittered
     back-off for up to ``max_outage_s`` (`queue.max_outage_s` of the spec): a Redis restart replaying its
-    append-only file takes seconds, and a client that gave up sooner would take its whole service down.
+    append-only file takes seconds, and a client that gave up sooner would take its whole service down. Once
+    ``stopping`` is set (the process was told to stop) an outage is not waited out: Redis may be gone for good.
     Responses stay bytes: the records are binary protobuf.
     """
     return redis.Redis.from_url(
@@ -81,7 +85,7 @@ def connect(url: str, socket_timeout: float = 30.0, max_outage_s: float = 60.0) 
         # Connections idle behind a NAT or a restarted server are checked before use, not found dead mid-read.
         health_check_interval=15,
         retry_on_timeout=True,
-        retry=OutageRetry(max_outage_s),
+        retry=OutageRetry(max_outage_s, stopping),
         decode_responses=False,
     )
 
@@ -89,9 +93,10 @@ def connect(url: str, socket_timeout: float = 30.0, max_outage_s: float = 60.0) 
 class OutageRetry(Retry):
     """redis-py's Retry bounded by time rather than by a count of attempts (whose total time depends on luck)."""
 
-    def __init__(self, max_outage_s: float) -> None:
+    def __init__(self, max_outage_s: float, stopping: threading.Event | None = None) -> None:
         super().__init__(ExponentialWithJitterBackoff(base=0.1, cap=2.0), retries=-1)
         self.max_outage_s = max_outage_s
+        self.stopping = stopping or threading.Event()
 
     def call_with_retry(
         self,
@@ -113,11 +118,11 @@ class OutageRetry(Retry):
                 failures += 1
                 fail(error, failures) if with_failure_count else fail(error)
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.stopping.is_set():
                     raise
                 if failures == 1:
                     log.warning("Redis unreachable (%s); retrying for up to %.0f s", error, self.max_outage_s)
-                time.sleep(min(self._backoff.compute(failures), left))
+                self.stopping.wait(min(self._backoff.compute(failures), left))
 
 
 class RolloutQueue:

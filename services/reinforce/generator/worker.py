@@ -90,13 +90,14 @@ class Generator:
         self.engine = build_engine(spec.generation, paths.initial_policy, spec.algorithm.num_rollouts_per_prompt)
         log.info("generation engine: %s", self.engine.name)
         self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads
-        self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
+        self.stopping = threading.Event()
+        queue = connect(redis_url, max_outage_s=spec.queue.max_outage_s, stopping=self.stopping)
+        self.queue = RolloutQueue(queue, spec.name)
         self.queue.ensure_groups()
         self.reward = RewardClient.from_spec(reward_url, spec.reward)
         self.weights = WeightState()
         self.metrics = GeneratorMetrics()
         self.held: list[tuple[str, Prompt]] = []  # prompts waiting for a newer weight version
-        self.stopping = threading.Event()
 
     # ---- weights -----------------------------------------------------------------------------------
     def request_weights(self, weights: WeightVersion) -> None:

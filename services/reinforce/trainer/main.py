@@ -82,14 +82,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
         self.backend = build_backend(spec.training, self.paths.initial_policy, self.ranks)
         self.algorithm = build_algorithm(spec, self.ranks, critic_url)
-        self.queue = RolloutQueue(connect(redis_url, max_outage_s=spec.queue.max_outage_s), spec.name)
+        self.stopping = threading.Event()  # set by SIGTERM: stop after the current step
+        queue = connect(redis_url, max_outage_s=spec.queue.max_outage_s, stopping=self.stopping)
+        self.queue = RolloutQueue(queue, spec.name)
         self.queue.ensure_groups()
         # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
         prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
         self.feeder = PromptFeeder(
             spec, PromptCursor(prompts, spec.seed, spec.data.shuffle), self.tokenizer, self.queue
         )
-        self.stopping = threading.Event()  # set by SIGTERM: stop after the current step
         self.collector = GroupCollector(
             spec, self.queue, self.consumer, self.ranks.world, self.feeder.prompt_of, self.stopping
         )
