@@ -1,5 +1,6 @@
 """Redis clients ride out an outage for queue.max_outage_s, but not once their process was told to stop."""
 
+import copy
 import threading
 import time
 
@@ -28,3 +29,10 @@ def test_the_outage_budget_is_time_not_attempts():
     with pytest.raises(redis.ConnectionError):
         OutageRetry(max_outage_s=1.0).call_with_retry(failing, lambda _error: None)
     assert 1.0 <= time.monotonic() - start < 4
+
+
+def test_copies_share_the_stop_signal():
+    """redis-py deep-copies its retry into each connection."""
+    stopping = threading.Event()
+    copied = copy.deepcopy(OutageRetry(max_outage_s=60.0, stopping=stopping))
+    assert copied.stopping is stopping and copied.max_outage_s == 60.0

@@ -98,6 +98,10 @@ class OutageRetry(Retry):
         self.max_outage_s = max_outage_s
         self.stopping = stopping or threading.Event()
 
+    def __deepcopy__(self, memo: dict) -> OutageRetry:
+        # redis-py copies its retry into every connection; the copies must share the process's one stop signal
+        return OutageRetry(self.max_outage_s, self.stopping)
+
     def call_with_retry(
         self,
         do: Callable[[], T],
