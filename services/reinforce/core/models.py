@@ -267,23 +267,32 @@ def response_logprobs_and_entropy(
     return logprobs, entropy, mask
 
 
-def _response_log_softmax(
-    model: PreTrainedModel, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+def response_states(
+    body: torch.nn.Module, prompt_ids: list[list[int]], response_ids: list[list[int]], pad: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log_softmax of the logits / temperature at each real response token [N, V], its token [N], mask [B, T])."""
+    """The transformer body's last hidden state at each position that predicts a response token ([N, H], N = real
+    response tokens, row-major), those tokens [N], and the [B, T] response mask. The policy's head on these states
+    gives the response's log-probs, the critic's its values: the same positions for both."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token to predict the response's first token")
-    device = model.device
-    input_ids, attention = right_padded(prompt_ids, response_ids, model.config.pad_token_id or 0)
+    device = next(body.parameters()).device
+    input_ids, attention = right_padded(prompt_ids, response_ids, pad)
     input_ids, attention = input_ids.to(device), attention.to(device)
     # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
     positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
-
+    hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
     rows, cols, targets, mask = response_positions(prompt_ids, response_ids, device)
-    logits = model.lm_head(hidden[rows, cols]).float() / temperature  # [N, V], N = real response tokens
+    return hidden[rows, cols], targets, mask
+
+
+def _response_log_softmax(
+    model: PreTrainedModel, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_softmax of the logits / temperature at each real response token [N, V], its token [N], mask [B, T])."""
+    states, targets, mask = response_states(model.base_model, prompt_ids, response_ids, model.config.pad_token_id or 0)
+    logits = model.lm_head(states).float() / temperature  # [N, V], N = real response tokens
     return torch.log_softmax(logits, dim=-1), targets, mask
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
-from reinforce.core.models import response_positions, right_padded
+from reinforce.core.models import response_states
 from reinforce.core.spec import CriticInit
 
 
@@ -88,18 +88,10 @@ def response_values(
     Returns (values [B, T], mask [B, T]) right-padded to the longest response, 0 on padding; differentiable when
     grad is enabled. The head runs only on the response positions.
     """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("every prompt needs at least one token: the state before the first response token")
-    device = model.device
-    input_ids, attention = right_padded(prompt_ids, response_ids, model.config.pad_token_id or 0)
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
-    positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-    hidden = model.body(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
-    rows, cols, _, mask = response_positions(prompt_ids, response_ids, device)
-    picked = model.head(hidden[rows, cols].float()).squeeze(-1)  # [N], N = real response tokens
+    pad = model.config.pad_token_id or 0
+    states, _, mask = response_states(model.body, prompt_ids, response_ids, pad)
+    device = states.device
+    picked = model.head(states.float()).squeeze(-1)  # [N], N = real response tokens
     values = torch.zeros(mask.shape, dtype=picked.dtype, device=device)
     values[mask.bool()] = picked  # row-major order matches response_positions
     return values, mask
