@@ -555,7 +555,7 @@ def critic_service(run: Run) -> dict[str, Any]:
 def critic_stateful_set(run: Run) -> dict[str, Any]:
     """One critic pod (a StatefulSet: never two on the same volume, even during a rollout)."""
     port = run.config.ports.critic
-    command = _python_service(launch.CRITIC, host="0.0.0.0", port=port)
+    command = _python_service(launch.CRITIC, port=port)
     volume, mount = _spec_volume(run)
     container = _container(
         run, COMPONENT_CRITIC, command, {"http": port},
