@@ -240,7 +240,8 @@ def test_helm_install_then_a_run_trains_in_pods(chart_installed: Cluster, tmp_pa
         at = time.time()  # mid-run: every service exports
         final = wait_for_status(cluster, "tiny", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
         total_s = time.monotonic() - applied
-        names = assert_every_dashboard_query_answers(prometheus, "tiny", at)
+        # a REINFORCE run has no critic; the PPO dashboard is answered by tests/integration/test_dashboards.py
+        names = assert_every_dashboard_query_answers(prometheus, "tiny", at, skip=frozenset({"ppo.json"}))
     finally:
         prometheus.stop()
 
