@@ -72,6 +72,7 @@ def test_defaults_follow_nemo_aligner():
         ({"algorithm": {"name": "ppo"}, "training": {"num_ranks": 2}}, "ppo trains with training.num_ranks 1"),
         ({"critic": {"init": "reward_model"}}, "critic: Value error, init reward_model needs reward_model_path"),
         ({"critic": {"lr": -1}}, "critic.lr: Input should be greater than 0"),
+        ({"critic": {"adam_betas": [2, -1]}}, "critic.adam_betas: Value error, each beta must be in [0, 1)"),
     ],
 )
 def test_bad_fields_are_named(patch, expected):

@@ -7,10 +7,18 @@ name the field path, e.g. ``training.lr: Input should be greater than 0``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 
 class SpecError(ValueError):
@@ -179,6 +187,27 @@ class AlgorithmSpec(_Section):
 CriticInit = Literal["policy", "reward_model"]
 
 
+def _betas_are_numbers(betas: Any) -> Any:
+    if isinstance(betas, list | tuple) and any(isinstance(b, bool) or not isinstance(b, int | float) for b in betas):
+        raise ValueError("both betas must be numbers")
+    return betas
+
+
+def _betas_in_unit_interval(betas: tuple[float, float]) -> tuple[float, float]:
+    if not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+    return betas
+
+
+# AdamW's betas, the trainer's and the critic's. Not strict: YAML has lists, not tuples; each element is still checked.
+AdamBetas = Annotated[
+    tuple[float, float],
+    BeforeValidator(_betas_are_numbers),
+    AfterValidator(_betas_in_unit_interval),
+    Field(strict=False),
+]
+
+
 class CriticSpec(_Section):
     """ppo: the critic service's value model and optimizer (defaults: NeMo-Aligner's gpt_ppo_critic.yaml)."""
 
@@ -190,7 +219,7 @@ class CriticSpec(_Section):
     reward_model_path: str | None = Field(None, description="init reward_model: its Hugging Face folder.")
     lr: float = Field(9e-6, gt=0, description="AdamW learning rate (constant).")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.98), strict=False, description="AdamW betas.")
+    adam_betas: AdamBetas = Field((0.9, 0.98), description="AdamW betas, each in [0, 1).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     value_clip: float = Field(
         0.2, ge=0, description="eps_v of the clipped value loss (NeMo-Aligner's loss_clip_val; 0: off)."
@@ -254,8 +283,7 @@ class TrainingSpec(_Section):
     )
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    # not strict: YAML has lists, not tuples (each element is still checked by _betas_in_unit_interval)
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="AdamW betas, each in [0, 1).")
+    adam_betas: AdamBetas = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
@@ -281,22 +309,6 @@ class TrainingSpec(_Section):
         description="With data.validation_prompts: evaluate every this many steps, and always at the start and "
         "the end (0: only at the start and the end).",
     )
-
-    @field_validator("adam_betas", mode="before")
-    @classmethod
-    def _betas_are_numbers(cls, betas: Any) -> Any:
-        if isinstance(betas, list | tuple) and any(
-            isinstance(b, bool) or not isinstance(b, int | float) for b in betas
-        ):
-            raise ValueError("both betas must be numbers")
-        return betas
-
-    @field_validator("adam_betas")
-    @classmethod
-    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
-        if not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
-        return betas
 
 
 class ValidationSpec(_Section):
