@@ -106,3 +106,13 @@ def tiny_ppo_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = reinforce("run", str(write_spec(folder, "tiny-ppo", training=BASELINE_TRAINING)))
     assert result.returncode == 0, result.stderr[-3000:]
     return folder / "run"
+
+
+@pytest.fixture(scope="session")
+def tiny_head32_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny example's random Llama with one head of size 32: the smallest shape vLLM's CPU attention runs."""
+    from reinforce.core.models import materialize_policy
+    from reinforce.core.spec import PolicySpec, RandomInit
+
+    spec = PolicySpec(random_init=RandomInit(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=1))
+    return materialize_policy(spec, tmp_path_factory.mktemp("policy") / "tiny", seed=0)

@@ -68,6 +68,15 @@ def test_bad_spec_names_the_field(tmp_path):
     assert "training.lr" in result.stderr and "training.stepz" in result.stderr
 
 
+def test_an_engine_that_is_not_installed_is_refused_before_anything_starts(tmp_path):
+    # TensorRT-LLM cannot be installed on a machine without an NVIDIA GPU: the run says so and what to do.
+    result = reinforce("run", str(write_spec(tmp_path, generation={"engine": "tensorrt_llm"})), timeout=120)
+    assert result.returncode == 2
+    assert "generation.engine tensorrt_llm needs the Python package 'tensorrt_llm'" in result.stderr
+    assert "NVIDIA's index" in result.stderr
+    assert not (tmp_path / "run").exists(), "the run folder was created before the engine was checked"
+
+
 def test_bad_prompt_file_names_file_and_line(tmp_path):
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')

@@ -114,11 +114,12 @@ def test_missing_tracker_extra_is_named(tmp_path):
         # simulate a machine without the wandb extra: an empty package directory that shadows it is not
         # enough for find_spec, so check the message from the function the supervisor calls
         from reinforce.core import trackers
+        from reinforce.core.optional import MissingPackage
 
         saved = trackers.TRACKER_PACKAGES["wandb"]
         trackers.TRACKER_PACKAGES["wandb"] = ("wandb_not_installed_here", "wandb")
         try:
-            with pytest.raises(trackers.TrackerError, match=r"tracker 'wandb'.*reinforce-k8s\[wandb\]"):
+            with pytest.raises(MissingPackage, match=r"tracker 'wandb'.*reinforce-k8s\[wandb\]"):
                 trackers.check_trackers(["wandb"])
         finally:
             trackers.TRACKER_PACKAGES["wandb"] = saved

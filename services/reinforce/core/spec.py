@@ -170,7 +170,15 @@ class AlgorithmSpec(_Section):
         "weights up to n versions old, corrected by truncated importance weights (reinforce only).",
     )
     importance_weight_cap: float = Field(
-        2.0, gt=0, description="max_policy_lag > 0: cap of the per-token importance weight pi / mu."
+        2.0,
+        gt=0,
+        description="Cap of the per-token importance weight pi / mu (max_policy_lag > 0, correct_engine_mismatch).",
+    )
+    correct_engine_mismatch: bool | None = Field(
+        None,
+        description="reinforce: weight each token by the truncated importance weight min(pi / mu, cap) also "
+        "on-policy, where mu is the generator's own log-prob: a bfloat16 engine samples from a slightly different "
+        "distribution than the trainer's float32 recomputation. null (default): on for every engine but torch.",
     )
     discount_factor: float = Field(1.0, ge=0, le=1, description="ppo: gamma of GAE.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="ppo: lambda of GAE.")
@@ -237,8 +245,17 @@ class CriticSpec(_Section):
 class GenerationSpec(_Section):
     """Sampling by the generators."""
 
-    engine: Literal["torch"] = Field(
-        "torch", description="What samples: torch (the reference sampler, float32, a KV cache in PyTorch)."
+    engine: Literal["torch", "vllm", "tensorrt_llm"] = Field(
+        "torch",
+        description="What samples: torch (the reference sampler, a KV cache in PyTorch), vllm (vLLM in the "
+        "generator's process, CPU or GPU; `make install` installs its CPU build) or tensorrt_llm (TensorRT-LLM's LLM "
+        "API, GPU only, not yet run on a GPU). Every engine refits published weights in place.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="The engine's weights and activations: auto is float32 for torch and bfloat16 for vllm and "
+        "tensorrt_llm. Log-probs are float32 either way; the trainer reports their difference from its own "
+        "(`train_rollouts/logprob_mismatch`) and corrects for it (`algorithm.correct_engine_mismatch`).",
     )
     max_new_tokens: int = Field(
         48, ge=1, le=65536, description="Response length limit; a response that hits it did not end."
@@ -252,6 +269,12 @@ class GenerationSpec(_Section):
     reclaim_idle_s: float = Field(
         60.0, gt=0, description="A prompt unacknowledged this long (its generator died) is taken over by another."
     )
+
+    def resolved_dtype(self) -> Literal["float32", "bfloat16"]:
+        """`dtype` with auto resolved: float32 for the torch reference, bfloat16 for the fast engines."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.engine == "torch" else "bfloat16"
 
 
 class LoraSpec(_Section):
@@ -403,6 +426,8 @@ class RunSpec(_Section):
                 raise ValueError("algorithm.name ppo trains with training.num_ranks 1 (one critic client)")
             if a.max_policy_lag > 0:
                 raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")
+            if a.correct_engine_mismatch:
+                raise ValueError("algorithm.correct_engine_mismatch is reinforce's: leave it unset with ppo")
             if t.prompts_per_step % a.num_minibatches:
                 raise ValueError(
                     f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of "
@@ -417,6 +442,22 @@ class RunSpec(_Section):
         if init is not None:
             check_fits_policy(self, init.max_position_embeddings, "policy.random_init.max_position_embeddings")
         return self
+
+    @model_validator(mode="after")
+    def _lora_needs_the_torch_engine(self) -> RunSpec:
+        if self.training.lora is not None and self.generation.engine != "torch":
+            raise ValueError(
+                f"training.lora sends adapter-only weight versions, which generation.engine "
+                f"{self.generation.engine} does not load yet: use generation.engine torch"
+            )
+        return self
+
+    def corrects_engine_mismatch(self) -> bool:
+        """algorithm.correct_engine_mismatch, its null resolved: on for engines other than the torch reference."""
+        configured = self.algorithm.correct_engine_mismatch
+        if configured is None:
+            return self.algorithm.name == "reinforce" and self.generation.engine != "torch"
+        return configured
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

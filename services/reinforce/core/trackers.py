@@ -14,7 +14,6 @@ checkpoint that covers it is written (and every row at the end of the run).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -22,6 +21,8 @@ import struct
 import time
 from pathlib import Path
 from typing import Any
+
+from reinforce.core.optional import require_package
 
 # tracker -> (module that must be importable, pip extra)
 TRACKER_PACKAGES = {
@@ -31,19 +32,11 @@ TRACKER_PACKAGES = {
 }
 
 
-class TrackerError(RuntimeError):
-    """A configured tracker that cannot be used (its optional extra is not installed)."""
-
-
 def check_trackers(names: list[str]) -> None:
     """Refuse a tracker whose package is missing, naming it and the pip extra that brings it."""
     for name in names:
         module, extra = TRACKER_PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            raise TrackerError(
-                f"tracker {name!r} needs the Python package {module!r}, which is not installed: "
-                f"pip install 'reinforce-k8s[{extra}]'"
-            )
+        require_package(module, f"logging.trackers: tracker {name!r}", f"pip install 'reinforce-k8s[{extra}]'")
 
 
 def tracker_run_id(run_dir: Path, name: str) -> str:

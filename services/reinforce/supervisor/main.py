@@ -33,6 +33,7 @@ from reinforce.core import launch
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
+from reinforce.core.optional import MissingPackage, require_engine
 from reinforce.core.names import (
     COMPONENT_CRITIC,
     COMPONENT_GENERATOR,
@@ -46,7 +47,7 @@ from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
-from reinforce.core.trackers import TrackerError, check_trackers
+from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 
 log = logging.getLogger("reinforce")
@@ -421,11 +422,14 @@ def _run(args: argparse.Namespace) -> int:
                 raise SpecError(f"{spec_file}: data.{name}: {err}") from None
     try:
         check_trackers(spec.logging.trackers)
-    except TrackerError as err:
-        raise SpecError(f"{spec_file}: logging.trackers: {err}") from None
+        require_engine(spec.generation.engine)
+    except MissingPackage as err:
+        raise SpecError(f"{spec_file}: {err}") from None
     paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
     paths.spec.write_text(dump_spec(spec))
-    print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
+    generation = spec.generation
+    print(f"run folder {paths.root}; generation engine {generation.engine} ({generation.resolved_dtype()})", flush=True)
+    print("preparing the initial policy ...", flush=True)
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
     _check_fits_policy(spec, spec_file, paths.initial_policy)
     supervisor = Supervisor(spec)

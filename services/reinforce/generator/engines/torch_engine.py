@@ -20,17 +20,18 @@ from reinforce.core.models import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec
 from reinforce.core.weights import WeightError, module_loader
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
+from reinforce.generator.engines.common import merge_eos_ids
 
 
 class TorchEngine(GenerationEngine):
-    """The policy as a Hugging Face model in float32, sampled by `sample` below."""
+    """The policy as a Hugging Face model (float32, or bfloat16 with generation.dtype), sampled by `sample` below."""
 
     name = "torch"
 
     def __init__(self, policy_dir: Path, generation: GenerationSpec, num_samples: int) -> None:
         super().__init__(policy_dir, generation, num_samples)
         self.tokenizer = load_tokenizer(policy_dir)
-        self.model = load_policy(policy_dir)  # weight version 0
+        self.model = load_policy(policy_dir).to(getattr(torch, generation.resolved_dtype()))  # weight version 0
         self._load = module_loader(self.model)
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 
@@ -100,7 +101,8 @@ def sample(
     _check_inputs(model, prompts, num_samples, gen, seeds)
     device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = torch.tensor(sorted(eos_token_ids(model, tokenizer)), dtype=torch.long, device=device)
+    configured_eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = torch.tensor(sorted(merge_eos_ids(tokenizer, configured_eos)), dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
     cache = DynamicCache(config=model.config)
@@ -121,17 +123,6 @@ def sample(
         positions = positions + 1
         logits = _next_logits(model, fed[:, None], attention, positions[:, None], cache)
     return _collect(rows, tokenizer, len(prompts), num_samples)
-
-
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """The tokenizer's EOS plus any the generation config lists (chat models end turns with their own)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    return ids
 
 
 def _check_inputs(

@@ -18,7 +18,10 @@ the loss is the same with A_it in place of A_i.
 
 Asynchronous mode (max_policy_lag > 0) samples with weights up to n versions old (the behaviour policy mu);
 each token's term is then weighted by the truncated importance weight  min(pi(y_t) / mu(y_t), cap),
-a constant like A_i, so the gradient estimates the current policy's.
+a constant like A_i, so the gradient estimates the current policy's. A bfloat16 engine (vLLM, TensorRT-LLM)
+samples from a slightly different mu even on-policy; `correct_engine_mismatch` (on for those engines) applies the
+same weight there (truncated importance sampling, as Yao et al. 2025 propose for vLLM-sampled RL). It costs
+nothing but an element-wise ratio; with mu = pi it is 1 and changes nothing.
 
 N is the number of response tokens in the whole step's batch, so the loss is the masked token mean and
 gradient accumulation over micro-batches adds up to exactly the full-batch gradient.
@@ -220,7 +223,7 @@ class Reinforce(Algorithm):
             refused_groups += int(refused.sum())
             loss_mask = mask * (batch.keep[rows] & ~refused.unsqueeze(-1)).reshape(-1, 1)
             rho = None
-            if alg.max_policy_lag > 0:
+            if alg.max_policy_lag > 0 or self.spec.corrects_engine_mismatch():
                 rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
                 weights.add(rho, loss_mask)
             loss = policy_gradient_loss(logprobs, adv.advantages, loss_mask, num_tokens, rho)

@@ -1,0 +1,269 @@
+"""The vLLM engine: vLLM's continuous-batching sampler, with each sampled token's log-prob, refitted in place.
+
+What it keeps of the torch engine's guarantees (torch_engine.py), and how:
+
+- Log-probs are float32 log_softmax(logits / temperature) of the unfiltered distribution, what the trainer
+  recomputes. vLLM's engine option `logprobs_mode="processed_logprobs"` (0.32) gives log_softmax after temperature
+  but also after top-k/top-p masking (the filtered, renormalised distribution); its default, "raw_logprobs",
+  ignores the temperature. `VLLMWorkerExtension.record_unfiltered_logprobs` makes the processed log-probs those of
+  the temperature-scaled logits before the top-k/top-p mask, so all settings record what the torch engine records.
+- A prompt's samples depend only on (weights, prompt, seed): each sample is one request, seeded from the prompt's
+  seed and the sample's index by `sample_seeds`. Prefix caching is off, because a cached prompt is prefilled with a
+  shorter query and its bf16 logits round differently; chunked prefill is off, because where a prompt is cut
+  would depend on what else is in the batch. Decoding rows of a batch do not interact on this CPU backend (the
+  tests check that a prompt samples the same tokens alone and in a batch).
+- A response ends after (and includes) a stop string or an EOS token: `include_stop_str_in_output`, and the
+  stop token ids are the EOS ids the torch engine uses. `is_end` is vLLM's finish reason "stop" ("length" when
+  max_new_tokens cut it). The text is decoded from the token ids with the policy's Hugging Face tokenizer, as the
+  torch engine does, not taken from vLLM (which cuts it inside a token that runs past the stop string).
+
+The weights are bfloat16 by default (generation.dtype; about twice float32's speed on CPU; the log-prob mismatch to
+the trainer's float32 recomputation is reported by the tests and benchmarks/engines.py), in eager mode (torch.compile costs minutes
+to start and gained nothing here). vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, ... only,
+so a tiny test model needs hidden_size / num_heads >= 32 (e.g. hidden 32 with one head).
+
+Refit: the worker's `reload_weights` with the file's tensors (vLLM 0.32's in-place reload; its plain `load_weights`
+fails after the first load). On CPU that reload leaves a tied LM head multiplying with a stale packed copy of the
+old embedding, so `reload_safetensors` packs the head again (the tests compare refits with fresh engines).
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core subprocess, nothing serialised, and
+`collective_rpc` calls the worker directly. Keep one live engine per process: releasing one tears down vLLM's
+process-wide distributed state, which any other live engine uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from reinforce.core.models import load_tokenizer
+from reinforce.core.spec import GenerationSpec
+from reinforce.generator.engines.base import GenerationEngine, SampledSequence
+from reinforce.generator.engines.common import (
+    check_fits,
+    check_prompts,
+    checkpoint_shapes,
+    eos_token_ids,
+    policy_files,
+    read_checkpoint,
+    sample_seeds,
+)
+
+if TYPE_CHECKING:
+    from vllm import LLM, SamplingParams
+    from vllm.outputs import CompletionOutput
+
+# Prompt tokens per sequence assumed when sizing the KV cache (DataSpec.max_prompt_tokens' default); longer
+# prompts still run, vLLM then preempts and recomputes sequences when the cache is full.
+KV_PROMPT_TOKENS = 128
+# vLLM holds one KV block back (its null block); blocks are 128 tokens on CPU.
+KV_BLOCK_TOKENS = 128
+_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+class VLLMEngine(GenerationEngine):
+    """The policy served by an in-process vLLM `LLM`, bfloat16 and eager by default."""
+
+    name: ClassVar[str] = "vllm"
+
+    def __init__(
+        self,
+        policy_dir: Path,
+        generation: GenerationSpec,
+        num_samples: int,
+        *,
+        threads: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        """`threads`: OpenMP threads (default: OMP_NUM_THREADS if set, else the CPUs this process may run on).
+
+        `kv_cache_bytes` (default: room for batch_prompts x num_samples sequences of KV_PROMPT_TOKENS +
+        max_new_tokens, and at least one of max_model_len) is overridden by vLLM's own VLLM_CPU_KVCACHE_SPACE (GiB)
+        when that is set. `max_model_len` defaults to the model's max_position_embeddings.
+        """
+        super().__init__(Path(policy_dir), generation, num_samples)
+        self.threads = _configure_threads(threads)
+        dtype = generation.resolved_dtype()
+        config = AutoConfig.from_pretrained(self.policy_dir, local_files_only=True)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.policy_dir)
+        self.eos_token_ids = eos_token_ids(self.policy_dir, config, self.tokenizer)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self._shapes = checkpoint_shapes(policy_files(self.policy_dir), self.tie_word_embeddings)
+        if kv_cache_bytes is None:
+            sequences = generation.batch_prompts * num_samples
+            tokens = max(self.max_model_len, sequences * (KV_PROMPT_TOKENS + generation.max_new_tokens))
+            tokens += KV_BLOCK_TOKENS
+            kv_cache_bytes = tokens * _kv_bytes_per_token(config, dtype)
+        self._llm = _start_llm(self.policy_dir, dtype, self.max_model_len, kv_cache_bytes, config)
+        self._llm.collective_rpc("record_unfiltered_logprobs")
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        num_samples: int | None = None,
+        temperature: float | None = None,
+    ) -> list[list[SampledSequence]]:
+        from vllm.inputs import TokensPrompt
+
+        check_prompts(prompts, seeds, self.generation.max_new_tokens, self.max_model_len)
+        k = self.num_samples if num_samples is None else num_samples
+        temperature = self.generation.temperature if temperature is None else temperature
+        # One request per sample (vLLM's n=k would seed sample i with seed + i, so prompts whose seeds differ by
+        # less than k would share draws).
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(k)]
+        params = [self._sampling_params(s, temperature) for seed in seeds for s in sample_seeds(seed, k)]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        sequences = [self._sequence(out.outputs[0]) for out in outputs]
+        return [sequences[i * k : (i + 1) * k] for i in range(len(prompts))]
+
+    def load_weights(self, path: Path) -> None:
+        """Refit in place. The file is checked against the policy's names and shapes first: a file that does not fit
+        is refused before any weight changes, so the previous version keeps serving."""
+        check_fits(Path(path), self._shapes, self.tie_word_embeddings)
+        self._llm.collective_rpc("reload_safetensors", args=(str(path), self.tie_word_embeddings))
+
+    def _sampling_params(self, seed: int, temperature: float) -> SamplingParams:
+        from vllm import SamplingParams
+
+        gen = self.generation
+        return SamplingParams(
+            seed=seed,
+            temperature=temperature,  # 0: greedy
+            top_p=gen.top_p,
+            top_k=gen.top_k,  # 0: off, as in GenerationSpec
+            max_tokens=gen.max_new_tokens,
+            stop=list(gen.stop_strings) or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=sorted(self.eos_token_ids),
+            logprobs=0,  # only the sampled token's
+            flat_logprobs=True,  # a few flat lists per sequence instead of a dict per token
+        )
+
+    def _sequence(self, completion: CompletionOutput) -> SampledSequence:
+        ids = list(completion.token_ids)
+        flat = completion.logprobs
+        if flat is None or len(flat.start_indices) != len(ids):
+            raise RuntimeError(f"vLLM returned log-probs for {0 if flat is None else len(flat)} of {len(ids)} tokens")
+        # With logprobs=0 each position holds exactly the sampled token's entry.
+        return SampledSequence(
+            token_ids=ids,
+            logprobs=[flat.logprobs[start] for start in flat.start_indices],
+            is_end=completion.finish_reason == "stop",
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+
+class VLLMWorkerExtension:
+    """Methods vLLM mixes into its worker (`LLM(worker_extension_cls=...)`), called by name with `collective_rpc`.
+
+    Only names and plain arguments (a path, a flag) cross the call, so this also works, unchanged and without
+    pickling tensors, if the engine core ever runs in its own process.
+    """
+
+    model_runner: Any  # the worker's, set by vLLM
+    reload_weights: Any  # the worker's method
+
+    def record_unfiltered_logprobs(self) -> None:
+        """Make processed log-probs log_softmax(logits / temperature) before top-k/top-p, like the torch engine."""
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+        sampler = self.model_runner.sampler
+        topk_topp = getattr(sampler, "topk_topp_sampler", None)
+        # Refuse rather than silently record filtered log-probs if vLLM's sampler is not the one this was written for.
+        if not isinstance(topk_topp, TopKTopPSampler) or sampler.logprobs_mode != "processed_logprobs":
+            raise RuntimeError("vLLM's sampler is not the TopKTopPSampler in processed_logprobs mode of vLLM 0.32")
+        filtered = topk_topp.forward
+
+        def forward(
+            logits: torch.Tensor,
+            generators: dict[int, torch.Generator],
+            k: torch.Tensor | None,
+            p: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if k is None and p is None:  # nothing is masked: vLLM's own log-probs are already the unfiltered ones
+                return filtered(logits, generators, k, p)
+            # Before the call: the top-k/top-p mask is applied to `logits` in place.
+            unfiltered = logits.log_softmax(dim=-1, dtype=torch.float32)
+            sampled, _ = filtered(logits, generators, k, p)
+            return sampled, unfiltered
+
+        topk_topp.forward = forward
+
+    def reload_safetensors(self, path: str, tie_word_embeddings: bool) -> None:
+        """Load a whole-policy safetensors file (Hugging Face names) into the running model, in place."""
+        model = self.model_runner.get_model()
+        dtypes = {name: param.dtype for name, param in model.named_parameters()}
+        self.reload_weights(weights_iterator=_cast(read_checkpoint(Path(path), tie_word_embeddings), dtypes))
+        lm_head = getattr(model, "lm_head", None)
+        if tie_word_embeddings and lm_head is not None:
+            # On CPU the head multiplies with its own packed copy of the embedding, made after loading. vLLM's
+            # reload refreshes the embedding but skips the tied head ("ParallelLMHead: Failed to load weights"), so
+            # the logits would keep the old embedding: pack the head again.
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _cast(
+    weights: Iterator[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    # Tensors that vLLM loads under their own name are cast to the parameter's dtype here, which vLLM would
+    # otherwise do with a warning per tensor on every refit; fused ones (q/k/v, gate/up) are cast by their loader.
+    for name, tensor in weights:
+        dtype = dtypes.get(name)
+        yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _configure_threads(threads: int | None) -> int:
+    """Set the environment vLLM reads at start; returns the OpenMP thread count."""
+    # In-process engine core: the worker extension is called directly and OMP_NUM_THREADS applies to it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if threads is None:
+        threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    # vLLM drops torch to one thread unless OMP_NUM_THREADS is set, and its CPU worker then disables
+    # torch.set_num_threads for the whole process, so both are set before it starts.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _start_llm(policy_dir: Path, dtype: str, max_model_len: int, kv_cache_bytes: int, config: PretrainedConfig) -> LLM:
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        # vLLM only fails at the first forward pass, with "Unsupported CPU attention configuration".
+        if head_dim not in supported:
+            raise ValueError(f"vLLM's CPU attention supports head sizes {supported}, the policy has {head_dim}")
+    return LLM(
+        model=str(policy_dir),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(max_model_len, 8192),  # without chunked prefill, a whole prompt must fit
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # sampling comes from GenerationSpec only, not the model card's defaults
+        worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
+        disable_log_stats=True,
+    )
+
+
+def _kv_bytes_per_token(config: PretrainedConfig, dtype: str) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]  # 2: keys and values

@@ -1,0 +1,211 @@
+"""The vLLM engine keeps the torch engine's guarantees: log-probs the trainer recomputes, seeded samples that do not
+depend on the batch, stop strings and EOS ending a response, and in-place refits equal to a fresh start.
+
+Skipped without vLLM (`make install` installs it). A peaked random tiny Llama (head size 32: the smallest vLLM's CPU
+attention runs) keeps each test to a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforce.core.models import load_policy, load_tokenizer, response_logprobs
+from reinforce.core.spec import GenerationSpec
+from reinforce.core.weights import publish
+
+pytest.importorskip("vllm", reason="vLLM is not installed (`make install` installs its CPU build)")
+
+from reinforce.generator.engines.base import SampledSequence
+from reinforce.generator.engines.vllm_engine import VLLMEngine
+
+PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 20, 21, 22, 23]]
+SEEDS = [11, 12, 13]
+K = 4
+# bf16 weights against the trainer's fp32 recomputation, measured on this model: mean 0.0025, max 0.027 nats.
+BF16_MEAN_TOL, BF16_MAX_TOL = 0.01, 0.1
+FP32_TOL = 1e-4  # measured: 1e-6
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_head32_policy: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny policy with its final norm scaled up: peaked distributions, so responses have structure."""
+    folder = tmp_path_factory.mktemp("peaked") / "policy"
+    shutil.copytree(tiny_head32_policy, folder)
+    model = load_policy(tiny_head32_policy)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def start() -> Iterator[Callable[..., VLLMEngine]]:
+    """Starts engines that live until the module's tests are done: releasing a vLLM engine tears down vLLM's
+    process-wide distributed state, which the other live engines use."""
+    started: list[VLLMEngine] = []
+
+    def start_engine(folder: Path, generation: GenerationSpec) -> VLLMEngine:
+        started.append(VLLMEngine(folder, generation, K, threads=2))
+        return started[-1]
+
+    yield start_engine
+
+
+@pytest.fixture(scope="module")
+def engine(start: Callable[..., VLLMEngine], policy: Path) -> VLLMEngine:
+    return start(policy, vllm(max_new_tokens=24))
+
+
+def vllm(**fields: object) -> GenerationSpec:
+    return GenerationSpec(engine="vllm", **fields)
+
+
+def _mismatch(policy: Path, sampled: list[list[SampledSequence]], temperature: float) -> torch.Tensor:
+    """|engine log-prob - trainer fp32 recomputation| of every sampled token."""
+    pairs = [(p, s) for p, group in zip(PROMPTS, sampled, strict=True) for s in group]
+    with torch.no_grad():
+        trainer, mask = response_logprobs(
+            load_policy(policy), [p for p, _ in pairs], [s.token_ids for _, s in pairs], temperature
+        )
+    recorded = torch.zeros_like(trainer)
+    for row, (_, s) in enumerate(pairs):
+        recorded[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    return (recorded - trainer).abs()[mask.bool()]
+
+
+def test_logprobs_match_the_trainers_recomputation_bf16(engine: VLLMEngine, policy: Path) -> None:
+    sampled = engine.sample(PROMPTS, SEEDS)
+    assert [len(group) for group in sampled] == [K] * len(PROMPTS)
+    diff = _mismatch(policy, sampled, temperature=1.0)
+    assert diff.numel() > 0
+    assert diff.mean() < BF16_MEAN_TOL and diff.max() < BF16_MAX_TOL, (diff.mean(), diff.max())
+
+
+def test_logprobs_are_temperature_scaled_and_unfiltered(start: Callable[..., VLLMEngine], policy: Path) -> None:
+    """With top-k/top-p on, the torch engine records the unfiltered distribution: so must vLLM (fp32, tight)."""
+    gen = vllm(max_new_tokens=16, temperature=1.5, top_k=2, top_p=0.9)
+    sampled = start(policy, gen.model_copy(update={"dtype": "float32"})).sample(PROMPTS, SEEDS)
+    # Only the two likeliest tokens can be drawn; their filtered log-probs would be far above the unfiltered ones.
+    diff = _mismatch(policy, sampled, temperature=1.5)
+    assert diff.max() < FP32_TOL, diff.max()
+
+
+def test_same_seed_same_samples_whatever_the_batch(engine: VLLMEngine) -> None:
+    alone = engine.sample([PROMPTS[1]], [SEEDS[1]])[0]
+    batched = engine.sample([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]], [7, SEEDS[1], 8, 99])
+    assert batched[1] == alone  # token ids and log-probs, exactly
+    assert engine.sample([PROMPTS[1]], [SEEDS[1]])[0] == alone
+    assert batched[3] != alone  # another seed draws other samples
+    assert len({tuple(s.token_ids) for s in alone}) > 1  # the k samples of a prompt differ
+
+
+def _first_with(tokens: list[int], found: Callable[[list[int]], bool]) -> int | None:
+    """Length of the shortest prefix for which found(prefix) holds."""
+    return next((n for n in range(1, len(tokens) + 1) if found(tokens[:n])), None)
+
+
+def test_stop_string_ends_the_response_and_is_part_of_it(engine: VLLMEngine, policy: Path) -> None:
+    tokenizer = load_tokenizer(policy)
+    free = engine.sample(PROMPTS, SEEDS)
+    text = next(s.text for group in free for s in group if len(set(s.text[2:6])) > 1)
+    stop = text[2:4]  # two characters, so the stop string spans two tokens
+    engine.generation = vllm(max_new_tokens=24, stop_strings=[stop])
+    try:
+        stopped = engine.sample(PROMPTS, SEEDS)
+    finally:
+        engine.generation = vllm(max_new_tokens=24)
+    for free_group, stopped_group in zip(free, stopped, strict=True):
+        for before, after in zip(free_group, stopped_group, strict=True):
+            cut = _first_with(before.token_ids, lambda ids: stop in tokenizer.decode(ids, skip_special_tokens=True))
+            if cut is None:  # no stop string: the same sample, ended by EOS or the length limit as before
+                assert after == before
+                continue
+            assert after.token_ids == before.token_ids[:cut]  # up to and including the token completing it
+            assert after.logprobs == before.logprobs[:cut]
+            assert after.is_end and after.text.endswith(stop)
+
+
+def test_eos_ends_the_response_and_the_length_limit_does_not(
+    start: Callable[..., VLLMEngine], engine: VLLMEngine, policy: Path, tmp_path: Path
+) -> None:
+    free = engine.sample(PROMPTS, SEEDS)
+    limited = [s for group in free for s in group if len(s.token_ids) == 24 and s.token_ids[-1] != 2]
+    assert limited and not any(s.is_end for s in limited)
+    # A frequent token made an EOS through the generation config, as chat models declare their end-of-turn token.
+    eos = next(s.token_ids[3] for s in limited)
+    folder = tmp_path / "policy"
+    shutil.copytree(policy, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, eos]}))
+    ended = start(folder, vllm(max_new_tokens=24)).sample(PROMPTS, SEEDS)
+    for free_group, ended_group in zip(free, ended, strict=True):
+        for before, after in zip(free_group, ended_group, strict=True):
+            cut = _first_with(before.token_ids, lambda ids: ids[-1] in (2, eos))
+            if cut is None:
+                assert after == before and not after.is_end
+            else:
+                assert after.token_ids == before.token_ids[:cut] and after.is_end
+
+
+def test_refit_in_place_equals_a_fresh_engine(
+    start: Callable[..., VLLMEngine], engine: VLLMEngine, policy: Path, tmp_path: Path
+) -> None:
+    model = load_policy(policy)
+    tokenizer = load_tokenizer(policy)
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.02)
+        # As the trainer publishes: save_model keeps only lm_head.weight of the tied embedding.
+        weights = publish(model, tmp_path / "weights", version)
+        engine.load_weights(Path(weights.uri))
+        fresh_dir = tmp_path / f"fresh-v{version}"
+        model.save_pretrained(fresh_dir)
+        tokenizer.save_pretrained(fresh_dir)
+        fresh = start(fresh_dir, engine.generation)
+        assert engine.sample(PROMPTS, SEEDS) == fresh.sample(PROMPTS, SEEDS), f"version {version}"
+
+
+def test_a_file_that_does_not_fit_is_refused_and_the_old_weights_keep_serving(
+    engine: VLLMEngine, tmp_path: Path
+) -> None:
+    before = engine.sample(PROMPTS, SEEDS)
+    bad = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"lm_head.weight": torch.zeros(35, 32), "model.norm.weight": torch.ones(7)}, str(bad))
+    with pytest.raises(ValueError, match="does not fit the policy"):
+        engine.load_weights(bad)
+    assert engine.sample(PROMPTS, SEEDS) == before
+
+
+def test_head_sizes_vllm_cannot_run_are_refused_at_start(tmp_path: Path) -> None:
+    from reinforce.core.models import materialize_policy
+    from reinforce.core.spec import PolicySpec, RandomInit
+
+    folder = materialize_policy(PolicySpec(random_init=RandomInit(num_heads=2)), tmp_path / "policy", seed=0)
+    with pytest.raises(ValueError, match="head sizes"):
+        VLLMEngine(folder, vllm(max_new_tokens=4), 1, threads=1)
+
+
+def test_validation_options_greedy_and_fewer_samples(engine: VLLMEngine, policy: Path) -> None:
+    """Validation asks for fewer samples at temperature 0: the likeliest token each time, the same for every seed."""
+    greedy = engine.sample(PROMPTS, SEEDS, num_samples=2, temperature=0.0)
+    assert [len(group) for group in greedy] == [2] * len(PROMPTS)
+    assert engine.sample(PROMPTS, [1, 2, 3], num_samples=2, temperature=0.0) == greedy
+    for group in greedy:
+        assert group[0].token_ids == group[1].token_ids
+    model = load_policy(policy)
+    for prompt, group in zip(PROMPTS, greedy, strict=True):
+        ids = torch.tensor([prompt + group[0].token_ids[:-1]])
+        with torch.no_grad():
+            likeliest = model(ids).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
+        # bf16 may break a near-tie the other way: most tokens, not all, must be the fp32 model's argmax
+        agree = sum(a == b for a, b in zip(likeliest, group[0].token_ids, strict=True))
+        assert agree >= 0.8 * len(likeliest), (likeliest, group[0].token_ids)
