@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
@@ -18,6 +20,21 @@ from reinforce.core.run_dir import RunPaths
 EXAMPLES = Path(__file__).parent.parent / "examples"
 # The training section of the `tiny_baseline` run (tests/conftest.py) that other runs are compared with.
 BASELINE_TRAINING = {"steps": 12, "checkpoint_every": 4}
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (`make install` installs its CPU build)"
+)
+
+
+def on_engine(engine: str, **overrides: dict) -> dict[str, dict]:
+    """`overrides` for write_spec with generation.engine set; vLLM's CPU attention needs the tiny policy's heads to
+    be of size 32 (one head instead of two)."""
+    overrides = {**overrides, "generation": {**overrides.get("generation", {}), "engine": engine}}
+    if engine == "vllm":
+        tiny = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())["policy"]
+        overrides["policy"] = {"random_init": {**tiny["random_init"], "num_heads": 1}}
+    return overrides
 
 
 def write_spec(folder: Path, example: str = "tiny", **overrides: dict) -> Path:

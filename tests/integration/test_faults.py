@@ -15,6 +15,8 @@ from runs import (
     BASELINE_TRAINING,
     assert_each_step_trained_once,
     max_weight_difference,
+    needs_vllm,
+    on_engine,
     redis_pid,
     reinforce,
     service_pids,
@@ -68,12 +70,13 @@ def test_killed_trainer_is_restarted_and_resumes_on_its_own(tmp_path, tiny_basel
     assert_each_step_trained_once(run_dir, STEPS)
 
 
-def test_killed_generator_prompts_are_reclaimed_by_the_other(tmp_path):
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=needs_vllm)])
+def test_killed_generator_prompts_are_reclaimed_by_the_other(tmp_path, engine):
     # The dead generator's restart comes late (60 s back-off), so the living one must reclaim its prompts.
-    spec = write_spec(
-        tmp_path, training=SHORT, generation={"num_generators": 2, "reclaim_idle_s": 2.0},
+    spec = write_spec(tmp_path, **on_engine(
+        engine, training=SHORT, generation={"num_generators": 2, "reclaim_idle_s": 2.0},
         restart={"backoff_s": 60.0, "max_backoff_s": 60.0},
-    )  # fmt: skip
+    ))  # fmt: skip
     proc = start("run", str(spec))
     run_dir = tmp_path / "run"
     kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, name="--id generator-1")[0])

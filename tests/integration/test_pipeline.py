@@ -17,7 +17,17 @@ from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import BASELINE_TRAINING, max_weight_difference, reinforce, service_pids, start, wait_for_step, write_spec
+from runs import (
+    BASELINE_TRAINING,
+    max_weight_difference,
+    needs_vllm,
+    on_engine,
+    reinforce,
+    service_pids,
+    start,
+    wait_for_step,
+    write_spec,
+)
 
 
 @pytest.mark.slow
@@ -40,6 +50,27 @@ def test_tiny_run_learns(tmp_path):
     assert len(changed) > len(initial) // 2, "the policy's weights barely changed"
     assert paths.plot.stat().st_size > 1000
     assert (paths.checkpoints / "step-000030").is_dir()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_tiny_run_learns_with_vllm_sampling_in_bfloat16(tmp_path):
+    """The same run with vLLM as the generators' engine: it learns, and the trainer sees and corrects the bf16
+    engine's small log-prob mismatch (truncated importance weights, on by default for engines other than torch)."""
+    result = reinforce("run", str(write_spec(tmp_path, **on_engine("vllm"))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "generation engine vllm (bfloat16)" in result.stdout
+    paths = RunPaths(tmp_path / "run")
+    rows = read_metrics(paths.metrics)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    rewards = [r["train_rollouts/rewards"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    mismatch = [r["train_rollouts/logprob_mismatch"] for r in rows]
+    assert 1e-5 < max(mismatch) < 0.05, mismatch  # bf16 sampling, fp32 training: small but not float32 noise
+    assert all(r["train_rollouts/importance_weight_mean"] > 0.9 for r in rows)  # the correction ran, and barely bit
+    assert sum(r["train_rollouts/refused_mismatched_groups"] for r in rows) == 0
+    assert "generation engine: vllm" in (paths.logs / "generator-0.log").read_text()
 
 
 @pytest.mark.slow
