@@ -6,11 +6,13 @@ PY := $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
-# torch is pinned and installed first: anything that depends on an unpinned torch would pull GBs of CUDA.
+# torch is pinned and installed first: anything that depends on an unpinned torch would pull GBs of CUDA. vLLM's CPU
+# build comes next, before the project (pyproject.toml [tool.reinforce.install.engines] says why).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) scripts/install_system.py engines
 	$(PY) -m pip install -q -e ".[dev,trackers,data,lora]"
 	$(PY) scripts/install_system.py
 	touch $@

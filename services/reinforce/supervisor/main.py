@@ -33,7 +33,6 @@ from reinforce.core import launch
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
-from reinforce.core.optional import MissingPackage, require_engine
 from reinforce.core.names import (
     COMPONENT_CRITIC,
     COMPONENT_GENERATOR,
@@ -43,6 +42,7 @@ from reinforce.core.names import (
     LOCAL_HOST,
     REDIS_URL_ENV,
 )
+from reinforce.core.optional import MissingPackage, require_engine
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths

@@ -18,9 +18,9 @@ What it keeps of the torch engine's guarantees (torch_engine.py), and how:
   torch engine does, not taken from vLLM (which cuts it inside a token that runs past the stop string).
 
 The weights are bfloat16 by default (generation.dtype; about twice float32's speed on CPU; the log-prob mismatch to
-the trainer's float32 recomputation is reported by the tests and benchmarks/engines.py), in eager mode (torch.compile costs minutes
-to start and gained nothing here). vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, ... only,
-so a tiny test model needs hidden_size / num_heads >= 32 (e.g. hidden 32 with one head).
+the trainer's float32 recomputation is reported by the tests and benchmarks/engines.py), in eager mode
+(torch.compile costs minutes to start and gained nothing here). vLLM's CPU attention supports head sizes 32, 64,
+80, 96, 112, 128, ... only, so a tiny test model needs hidden_size / num_heads >= 32 (e.g. hidden 32, one head).
 
 Refit: the worker's `reload_weights` with the file's tensors (vLLM 0.32's in-place reload; its plain `load_weights`
 fails after the first load). On CPU that reload leaves a tied LM head multiplying with a stale packed copy of the
