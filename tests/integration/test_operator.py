@@ -148,6 +148,21 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     assert "--master-addr=tiny-trainer-0.tiny-trainer.ns.svc" in command[2]
 
 
+@pytest.mark.parametrize(
+    ("engine", "image"),
+    [("torch", "reinforce-generator:0.1.0"), ("vllm", "reinforce-generator:0.1.0-vllm"), ("tensorrt_llm", "trt:1")],
+)
+def test_generators_run_the_image_of_their_engine(engine: str, image: str) -> None:
+    config = OperatorConfig.model_validate({"images": {"generator_tensorrt_llm": "trt:1"}})
+    spec = ReinforceRunSpec.model_validate({**example_run(**{"generation.engine": engine})["spec"], "name": "tiny"})
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in children(Run("tiny", "ns", "uid-1", spec, config))}
+    generator = objects[("Deployment", "tiny-generator")]["spec"]["template"]["spec"]["containers"][0]
+    assert generator["image"] == image
+    assert objects[("StatefulSet", "tiny-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "reinforce-trainer:0.1.0"
+    )
+
+
 def test_a_ppo_run_has_a_critic_and_its_trainer_calls_it() -> None:
     spec = ReinforceRunSpec.model_validate(
         {

@@ -36,6 +36,7 @@ from reinforce.core import launch
 from reinforce.core.names import (
     ANY_HOST,
     COMPONENT_CRITIC,
+    COMPONENT_GENERATOR,
     COMPONENTS,
     CONTROL_TOKEN_ENV,
     CRITIC_PORT,
@@ -94,7 +95,14 @@ class Images(_Section):
 
     redis: str = Field("redis:7.0", description="The run's Redis (needs `redis-server` and `sh`).")
     reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
-    generator: str = Field("reinforce-generator:0.1.0", description="Generators.")
+    generator: str = Field("reinforce-generator:0.1.0", description="Generators (generation.engine torch).")
+    generator_vllm: str = Field(
+        "reinforce-generator:0.1.0-vllm", description="Generators of generation.engine vllm (ENGINE=vllm build)."
+    )
+    generator_tensorrt_llm: str = Field(
+        "reinforce-generator:0.1.0-trtllm",
+        description="Generators of generation.engine tensorrt_llm (GPU only; ENGINE=tensorrt_llm build).",
+    )
     trainer: str = Field("reinforce-trainer:0.1.0", description="Trainer.")
     critic: str = Field("reinforce-critic:0.1.0", description="ppo: the critic service.")
 
@@ -286,6 +294,14 @@ def pod_settings(run: Run, component: str) -> PodSpec:
     return PodSpec.model_validate({**default.model_dump(exclude_unset=True), **mine.model_dump(exclude_unset=True)})
 
 
+def default_image(run: Run, component: str) -> str:
+    """The operator's image for a component; a generator's is the one built for its engine."""
+    engine = run.spec.generation.engine
+    if component == COMPONENT_GENERATOR and engine != "torch":
+        return getattr(run.config.images, f"generator_{engine}")
+    return getattr(run.config.images, component)
+
+
 def _container(run: Run, component: str, command: list[str], ports: dict[str, int], **extra: Any) -> dict[str, Any]:
     settings = pod_settings(run, component)
     limits = dict(settings.limits)
@@ -294,7 +310,7 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
     resources = {key: value for key, value in (("requests", settings.requests), ("limits", limits)) if value}
     return {
         "name": component,
-        "image": settings.image or getattr(run.config.images, component),
+        "image": settings.image or default_image(run, component),
         "imagePullPolicy": run.config.image_pull_policy,
         "command": command,
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()],
