@@ -14,8 +14,8 @@ k=1, 32 new tokens). Prompts are the quickstart's reviews, chat-templated. Per e
 - peak RSS of the engine's process, before the trainer's model is loaded for the mismatch.
 
 Each engine runs in a subprocess of its own (a clean peak RSS; vLLM keeps process-wide state) and prints one JSON
-line; this process prints a Markdown table. The torch engine is the reference sampler (`torch_engine.sample`) in
-float32; vLLM runs in bfloat16 (its default on CPU) and, as `vllm-fp32`, in float32.
+line; this process prints a Markdown table and each engine's speed over the torch engine's. Engines: torch (the
+reference sampler, float32), torch-bf16, vllm (bfloat16, its default) and vllm-fp32.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model
 
 from reinforce.core.models import encode_prompt, load_policy, load_tokenizer, materialize_policy, response_logprobs
 from reinforce.core.spec import DataSpec, GenerationSpec, PolicySpec
 from reinforce.core.weights import publish
+from reinforce.generator.engines import build_engine
 from reinforce.generator.engines.base import SampledSequence
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,56 +59,43 @@ CASES = (
 )
 
 
-class TorchSampler:
-    """The torch engine's sampler on the float32 Hugging Face model; refits as weights.load_verified does."""
+# name -> (generation.engine, generation.dtype). The torch engine in float32 is the reference sampler.
+ENGINES = {
+    "torch": ("torch", "float32"),
+    "torch-bf16": ("torch", "bfloat16"),
+    "vllm": ("vllm", "bfloat16"),
+    "vllm-fp32": ("vllm", "float32"),  # the trainer's precision: what bf16 costs in mismatch and gains in speed
+}
 
-    def __init__(self, policy: Path, threads: int) -> None:
+
+class Sampler:
+    """One engine, built as a generator builds it (`build_engine`), serving every case."""
+
+    def __init__(self, name: str, policy: Path, threads: int) -> None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # read by vLLM at start
         torch.set_num_threads(threads)
-        self.model = load_policy(policy)
-        self.tokenizer = load_tokenizer(policy)
+        self.engine_fields = dict(zip(("engine", "dtype"), ENGINES[name], strict=True))
+        self.engine = build_engine(self._generation(CASES[0]), policy, CASES[0].k)
+
+    def _generation(self, case: Case) -> GenerationSpec:
+        return case.generation.model_copy(update=self.engine_fields)
 
     def sample(self, prompts: list[list[int]], seeds: list[int], case: Case) -> list[list[SampledSequence]]:
-        from reinforce.generator.engines.torch_engine import sample
-
-        return sample(self.model, self.tokenizer, prompts, case.k, case.generation, seeds)
-
-    def load(self, path: Path) -> None:
-        load_model(self.model, str(path))
-
-
-class VLLMSampler:
-    dtype = "bfloat16"  # the engine's default on CPU
-
-    def __init__(self, policy: Path, threads: int) -> None:
-        from reinforce.generator.engines.vllm_engine import VLLMEngine
-
-        self.engine = VLLMEngine(policy, CASES[0].generation, CASES[0].k, threads=threads, dtype=self.dtype)
-
-    def sample(self, prompts: list[list[int]], seeds: list[int], case: Case) -> list[list[SampledSequence]]:
-        # Both are read at each sample call: one engine serves all cases.
-        self.engine.generation = case.generation
-        self.engine.num_samples = case.k
-        return self.engine.sample(prompts, seeds)
+        self.engine.generation = self._generation(case)  # read at each call: one engine serves all cases
+        return self.engine.sample(prompts, seeds, num_samples=case.k)
 
     def load(self, path: Path) -> None:
         self.engine.load_weights(path)
 
 
-class VLLMFloat32Sampler(VLLMSampler):
-    dtype = "float32"  # the trainer's precision: what bf16 costs in log-prob mismatch, and what it gains in speed
-
-
-SAMPLERS = {"torch": TorchSampler, "vllm": VLLMSampler, "vllm-fp32": VLLMFloat32Sampler}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", nargs="+", default=list(SAMPLERS), choices=list(SAMPLERS))
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("runs/benchmark-engines"))
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="JSON lines with a prompt field")
-    parser.add_argument("--child", choices=list(SAMPLERS), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(
@@ -136,6 +123,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(table(rows))
+    print(ratios(rows))
 
 
 def prepare(work: Path) -> None:
@@ -163,7 +151,7 @@ def run_engine(engine: str, work: Path, prompt_file: Path, threads: int, repeats
 
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    sampler = SAMPLERS[engine](policy, threads)
+    sampler = Sampler(engine, policy, threads)
     result: dict = {"engine": engine, "start_s": time.perf_counter() - start}
     sampler.sample(prompts[:2], seeds[:2], CASES[0])  # warm-up: first-call compilation and allocation
 
@@ -215,6 +203,19 @@ def mismatch(
         recorded[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
     diff = (recorded - recomputed).abs()[mask.bool()]
     return diff.mean().item(), diff.max().item()
+
+
+def ratios(rows: list[dict]) -> str:
+    """Each engine's tokens/s over the torch engine's (float32, the reference), per case."""
+    by_engine = {row["engine"]: row for row in rows}
+    if "torch" not in by_engine:
+        return ""
+    lines = []
+    for case in CASES:
+        key = f"{case.name} tok/s"
+        base = by_engine["torch"][key]
+        lines += [f"{case.name}: {name} {row[key] / base:.2f}x torch" for name, row in by_engine.items()]
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

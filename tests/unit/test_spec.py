@@ -73,6 +73,16 @@ def test_defaults_follow_nemo_aligner():
         ({"critic": {"init": "reward_model"}}, "critic: Value error, init reward_model needs reward_model_path"),
         ({"critic": {"lr": -1}}, "critic.lr: Input should be greater than 0"),
         ({"critic": {"adam_betas": [2, -1]}}, "critic.adam_betas: Value error, each beta must be in [0, 1)"),
+        ({"generation": {"engine": "sglang"}}, "generation.engine: Input should be 'torch', 'vllm' or 'tensorrt_llm'"),
+        ({"generation": {"dtype": "float16"}}, "generation.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+        (
+            {"generation": {"engine": "vllm"}, "training": {"lora": {}}},
+            "training.lora sends adapter-only weight versions, which generation.engine vllm does not load yet",
+        ),
+        (
+            {"algorithm": {"name": "ppo", "correct_engine_mismatch": True}},
+            "algorithm.correct_engine_mismatch is reinforce's",
+        ),
     ],
 )
 def test_bad_fields_are_named(patch, expected):
@@ -142,3 +152,23 @@ def test_a_loaded_policy_too_short_for_prompt_plus_response_is_refused_at_run_st
     )
     short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_prompt_tokens": 16})})
     _check_fits_policy(short, Path("run.yaml"), tmp_path / "policy")  # 16 + 48 fits
+
+
+@pytest.mark.parametrize(
+    ("engine", "algorithm", "dtype", "corrects"),
+    [
+        ("torch", {}, "float32", False),
+        ("vllm", {}, "bfloat16", True),
+        ("tensorrt_llm", {}, "bfloat16", True),
+        ("vllm", {"correct_engine_mismatch": False}, "bfloat16", False),
+        ("torch", {"correct_engine_mismatch": True}, "float32", True),
+        ("vllm", {"name": "ppo"}, "bfloat16", False),
+    ],
+)
+def test_engine_defaults_resolve_by_engine(engine, algorithm, dtype, corrects):
+    spec = parse_spec({**MINIMAL, "generation": {"engine": engine}, "algorithm": algorithm})
+    assert spec.generation.resolved_dtype() == dtype
+    assert spec.corrects_engine_mismatch() is corrects
+    assert parse_spec(
+        {**MINIMAL, "generation": {"engine": engine, "dtype": "float32"}}
+    ).generation.resolved_dtype() == ("float32")

@@ -97,11 +97,12 @@ class Images(_Section):
     reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
     generator: str = Field("reinforce-generator:0.1.0", description="Generators (generation.engine torch).")
     generator_vllm: str = Field(
-        "reinforce-generator:0.1.0-vllm", description="Generators of generation.engine vllm (ENGINE=vllm build)."
+        "reinforce-generator:0.1.0-vllm",
+        description="Generators of generation.engine vllm (the generator image FROM the vLLM runtime).",
     )
     generator_tensorrt_llm: str = Field(
         "reinforce-generator:0.1.0-trtllm",
-        description="Generators of generation.engine tensorrt_llm (GPU only; ENGINE=tensorrt_llm build).",
+        description="Generators of generation.engine tensorrt_llm (GPU only: FROM the TensorRT-LLM runtime).",
     )
     trainer: str = Field("reinforce-trainer:0.1.0", description="Trainer.")
     critic: str = Field("reinforce-critic:0.1.0", description="ppo: the critic service.")
