@@ -69,6 +69,13 @@ def max_weight_difference(a: Path, b: Path) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
+def assert_reward_rose(rows: list[dict], window: int = 5, by: float = 0.1) -> None:
+    """The mean reward of the last `window` steps exceeds that of the first by `by`."""
+    rewards = [r["train_rollouts/rewards"] for r in rows]
+    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+    assert last > first + by, f"reward did not rise: {first:.3f} -> {last:.3f}"
+
+
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while (rows := read_metrics(RunPaths(run_dir).metrics)) == [] or rows[-1]["step"] < step:

@@ -14,7 +14,15 @@ from safetensors.torch import load_file
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import assert_each_step_trained_once, final_weights, service_pids, start, wait_for_step, write_spec
+from runs import (
+    assert_each_step_trained_once,
+    assert_reward_rose,
+    final_weights,
+    service_pids,
+    start,
+    wait_for_step,
+    write_spec,
+)
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -55,9 +63,7 @@ def test_lora_run_learns_ships_adapters_and_resumes_exactly(tmp_path):
         ):
             assert rows[step - 1][name] == first_life[step][name], (step, name)
 
-    rewards = [r["train_rollouts/rewards"] for r in rows]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert_reward_rose(rows)
     assert max(r["train_rollouts/logprob_mismatch"] for r in rows) < 1e-4  # generators merged the adapters
     assert rows[-1]["train_rollouts/init_policy_kl"] > 0  # reference = base with adapters disabled
 
