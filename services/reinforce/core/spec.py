@@ -299,6 +299,13 @@ class TrainingSpec(_Section):
     backend: Literal["torch"] = Field(
         "torch", description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks)."
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fp32: everything float32 (bit-reproducible). bf16: the policy's forward and backward under "
+        "autocast to bfloat16 (about 4x float32's matmul peak on CPUs with AVX512-BF16 or AMX) with float32 "
+        "master weights and AdamW state, the reference model held in bfloat16; log-probs and the loss in float32. "
+        "Published weights stay float32.",
+    )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
     num_ranks: int = Field(1, ge=1, description="Data-parallel trainer processes (torchrun; gloo on CPU, NCCL on GPU).")
