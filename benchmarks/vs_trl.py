@@ -262,6 +262,10 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
         for r in rows
     )
     result["train_tflop_per_step"] = 6 * _parameters(policy) * step_tokens / 1e12
+    # RLOO here gives no advantage to a prompt with fewer than two ended samples: what share of the samples ended
+    result["fraction_properly_ended"] = statistics.mean(
+        r["train_rollouts/fraction_of_samples_properly_ended"] for r in rows
+    )
     return {**result, "peak_rss_mib": rss.stop()}
 
 
