@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from reinforce.core.spec import LossAggregation
+from reinforce.trainer.algorithms.aggregation import LossNormalizer
 from reinforce.trainer.algorithms.reinforce import (
     kl_per_token,
     masked_mean,
@@ -96,15 +98,16 @@ def test_policy_gradient_loss_is_masked_token_mean():
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = torch.tensor([1.0, -2.0])
     # -( (-1 - 2) * 1 + (-3) * -2 ) / 3 tokens
-    assert policy_gradient_loss(logprobs, adv, mask, num_tokens=3).item() == pytest.approx(-1.0)
+    assert policy_gradient_loss(logprobs, adv, mask, LossNormalizer("token_mean", 3, 2)).item() == pytest.approx(-1.0)
 
 
-def test_micro_batches_sum_to_full_batch_gradient():
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_micro_batches_sum_to_full_batch_gradient(aggregation: LossAggregation):
     torch.manual_seed(0)
     logits = torch.randn(6, 5, requires_grad=True)
     mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0], [1] * 5, [1, 0, 0, 0, 0], [1] * 2 + [0] * 3])
     adv = torch.randn(6)
-    n = int(mask.sum())
+    n = LossNormalizer(aggregation, int(mask.sum()), 6, constant=5.0)
     policy_gradient_loss(torch.log_softmax(logits, -1), adv, mask, n).backward()
     full_grad = logits.grad.clone()
     logits.grad = None
@@ -116,6 +119,6 @@ def test_micro_batches_sum_to_full_batch_gradient():
 def test_gradient_raises_logprob_of_positive_advantage():
     logit = torch.zeros(1, 2, requires_grad=True)
     logprob = torch.log_softmax(logit, -1)[:, :1]  # log pi of token 0
-    policy_gradient_loss(logprob, torch.tensor([1.0]), torch.ones(1, 1), 1).backward()
+    policy_gradient_loss(logprob, torch.tensor([1.0]), torch.ones(1, 1), LossNormalizer("token_mean", 1, 1)).backward()
     # gradient descent on the loss moves logit 0 up and logit 1 down
     assert logit.grad[0, 0] < 0 < logit.grad[0, 1]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from reinforce.core.models import token_entropy
+from reinforce.trainer.algorithms.aggregation import LossNormalizer
 from reinforce.trainer.algorithms.ppo import (
     critic_loss,
     generalized_advantages,
@@ -114,7 +115,7 @@ def test_clipped_policy_loss_both_sides_of_the_clip():
 
 def test_policy_loss_normalises_by_the_whole_batch_token_count():
     logprobs, old = _logprobs()
-    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, ratio_eps=0.2, num_tokens=8)
+    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, ratio_eps=0.2, normalizer=LossNormalizer("token_mean", 8, 2))
     assert out.loss.item() == pytest.approx(2.1 / 8, abs=1e-6)
     assert out.ppo_ratio.item() == pytest.approx(0.9, abs=1e-6)  # metrics stay this call's means
 

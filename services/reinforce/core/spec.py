@@ -142,6 +142,10 @@ class DataSpec(_Section):
     )
 
 
+# algorithm.loss_aggregation (trainer/algorithms/aggregation.py has the math).
+LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
+
+
 class AlgorithmSpec(_Section):
     """REINFORCE or PPO, with a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
 
@@ -162,6 +166,19 @@ class AlgorithmSpec(_Section):
     use_absolute_kl: bool = Field(True, description="With kl_estimator k1, average |d_t| instead of d_t.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k1", description="k1: d; k2: d^2/2; k3: exp(-d) - 1 + d, with d = log pi - log pi_ref per token."
+    )
+    loss_aggregation: LossAggregation = Field(
+        "token_mean",
+        description="How the per-token loss terms add up (the actor loss, for ppo): token_mean (sum over the step's "
+        "response tokens / their number N; NeMo-Aligner, veRL token-mean), sequence_mean (each sample's token mean, "
+        "averaged over the S samples; veRL seq-mean-token-mean, TRL GRPO loss_type grpo) or constant (sum / (S * "
+        "loss_normalizer); Dr. GRPO, TRL GRPO dr_grpo; loss_normalizer 1 is TRL RLOO's).",
+    )
+    loss_normalizer: float | None = Field(
+        None,
+        gt=0,
+        description="loss_aggregation constant: C, the tokens per sample the token sum is divided by (default "
+        "generation.max_new_tokens, as Dr. GRPO; 1: TRL RLOOTrainer's per-sequence log-prob sum).",
     )
     max_policy_lag: int = Field(
         0,
@@ -190,6 +207,15 @@ class AlgorithmSpec(_Section):
         0.2, gt=0, description="ppo: eps of the clipped ratio clip(pi / pi_old, 1 - eps, 1 + eps)."
     )
     entropy_bonus: float = Field(0.0, ge=0, description="ppo: c_H of L_actor = L_clip - c_H * H.")
+
+    @model_validator(mode="after")
+    def _normalizer_only_for_constant(self) -> AlgorithmSpec:
+        if self.loss_normalizer is not None and self.loss_aggregation != "constant":
+            raise ValueError(
+                f"loss_normalizer applies to loss_aggregation constant only, not {self.loss_aggregation}: remove it "
+                "or set loss_aggregation: constant"
+            )
+        return self
 
 
 CriticInit = Literal["policy", "reward_model"]
@@ -295,6 +321,13 @@ class TrainingSpec(_Section):
 
     backend: Literal["torch"] = Field(
         "torch", description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks)."
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fp32: everything float32 (bit-reproducible). bf16: the policy's forward and backward under "
+        "autocast to bfloat16 (about 4x float32's matmul peak on CPUs with AVX512-BF16 or AMX) with float32 "
+        "master weights and AdamW state, the reference model held in bfloat16; log-probs and the loss in float32. "
+        "Published weights stay float32.",
     )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")

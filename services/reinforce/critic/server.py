@@ -57,6 +57,7 @@ from reinforce.core.models import materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_PORT, HEALTH_PATH, METRICS_PATH, READY_PATH
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CriticSpec, RunSpec, load_spec
+from reinforce.core.threads import configure_threads
 from reinforce.critic.api import (
     CHECKPOINT_PATH,
     RESTORE_PATH,
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         raise SystemExit(f"${CONTROL_TOKEN_ENV} must hold the critic's bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s critic %(levelname)s %(message)s")
+    configure_threads()
     spec = load_spec(args.spec)
     config = CriticConfig.from_spec(spec, args.port, args.host, args.device)
     if spec.critic.init == "policy":

@@ -45,6 +45,7 @@ from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample,
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.threads import configure_threads
 from reinforce.core.weights import WeightError, WeightSources, load_verified
 from reinforce.generator.engines import build_engine
 
@@ -372,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
+    configure_threads()
     gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, token, args.weights_url)
     config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)

@@ -39,6 +39,7 @@ from reinforce.core.names import (
     REWARD_OUTPUT,
 )
 from reinforce.core.spec import RewardSpec, SpecError, load_spec
+from reinforce.core.threads import configure_threads
 from reinforce.reward.rewards import RewardError, RewardFn, build_reward_fn
 
 LOG = logging.getLogger("reinforce.reward")
@@ -186,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    configure_threads()  # before a reward function imports torch (hf_classifier), which then reads it
     try:
         spec = load_spec(args.spec).reward
         return serve(spec, args)

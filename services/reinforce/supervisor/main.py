@@ -47,6 +47,7 @@ from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
+from reinforce.core.threads import THREADS_ENV, thread_count
 from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 
@@ -71,12 +72,15 @@ class Component:
     name: str
     argv: list[str]
     log_path: Path
+    threads: int | None = None  # its CPU threads ($REINFORCE_NUM_THREADS; None: the service decides)
     process: subprocess.Popen | None = None
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of a scheduled restart
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.threads is not None:
+            env = {**env, THREADS_ENV: str(self.threads)}
         with self.log_path.open("ab") as out:
             # own process group: Ctrl-C reaches the supervisor only, which then stops children in order
             self.process = subprocess.Popen(
@@ -114,6 +118,37 @@ class Component:
             f"component {self.name} exited with code {code}{restarted}; giving up. "
             f"Log {self.log_path}, last lines:\n{self.log_tail()}"
         )
+
+
+@dataclass(frozen=True)
+class ThreadShares:
+    """CPU threads of each kind of process (per process: each generator, each trainer rank)."""
+
+    trainer: int
+    generator: int
+    reward: int
+    critic: int
+
+
+def thread_shares(spec: RunSpec, cpus: int) -> ThreadShares:
+    """Share `cpus` between the processes that are busy at the same time, so that together they run one thread per
+    core: oversubscribed OpenMP threads spin waiting for each other and a step takes many times longer.
+
+    On-policy (max_policy_lag 0) generation, reward and training take turns: each gets every core, the generators
+    (which sample at the same time) sharing them. Asynchronous, generators sample while the trainer trains: the
+    trainer gets half the cores, the generators the other half. Trainer ranks train at the same time, and PPO's
+    critic trains beside the actor: they share the trainer's cores.
+    """
+    on_policy = spec.algorithm.max_policy_lag == 0
+    trainer_cores = cpus if on_policy else max(cpus // 2, 1)
+    generator_cores = cpus if on_policy else max(cpus - trainer_cores, 1)
+    trainers = spec.training.num_ranks + (spec.algorithm.name == "ppo")
+    return ThreadShares(
+        trainer=max(trainer_cores // trainers, 1),
+        generator=max(generator_cores // spec.generation.num_generators, 1),
+        reward=cpus,
+        critic=max(trainer_cores // trainers, 1),
+    )
 
 
 def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
@@ -157,9 +192,10 @@ class Supervisor:
         self.scrape_targets: list[dict] = []
         # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
         self.weights_port = free_port() if spec.weights.transport == "http" else None
+        self.threads = thread_shares(spec, thread_count())
 
-    def component(self, name: str, argv: list[str]) -> Component:
-        c = Component(name, argv, self.paths.logs / f"{name}.log")
+    def component(self, name: str, argv: list[str], threads: int | None = None) -> Component:
+        c = Component(name, argv, self.paths.logs / f"{name}.log", threads)
         c.start(self.env)
         self.components.append(c)
         return c
@@ -213,7 +249,9 @@ class Supervisor:
         http, grpc, metrics = free_port(), free_port(), free_port()
         self.add_scrape_target(COMPONENT_REWARD, "reward", metrics)
         c = self.component(
-            "reward", self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics)
+            "reward",
+            self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics),
+            self.threads.reward,
         )
         url = f"http://127.0.0.1:{http}"
         self.wait_until(c, lambda: _http_ok(url + launch.REWARD.ready_path))
@@ -223,7 +261,7 @@ class Supervisor:
         """PPO's critic service; its port also serves its metrics."""
         port = free_port()
         self.add_scrape_target(COMPONENT_CRITIC, "critic", port)
-        c = self.component(COMPONENT_CRITIC, self.service_argv(launch.CRITIC, port=port))
+        c = self.component(COMPONENT_CRITIC, self.service_argv(launch.CRITIC, port=port), self.threads.critic)
         url = f"http://127.0.0.1:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
         return url
@@ -235,7 +273,7 @@ class Supervisor:
             self.add_scrape_target(COMPONENT_GENERATOR, name, port)
             weights = {"weights_url": launch.weights_url(LOCAL_HOST, self.weights_port)} if self.weights_port else {}
             argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
-            self.component(name, argv)
+            self.component(name, argv, self.threads.generator)
             urls[name] = f"http://127.0.0.1:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(url + launch.GENERATOR.ready_path))
@@ -259,7 +297,7 @@ class Supervisor:
         reward_url = self.start_reward()
         critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
         generator_urls = self.start_generators(reward_url)
-        trainer = self.component("trainer", self.trainer_argv(critic_url))
+        trainer = self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer)
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
         # the supervisor's loop must not stall while it restarts Redis itself.
         queue = RolloutQueue(connect(self.env[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)

@@ -17,7 +17,12 @@ class StepBatch:
     rewards: torch.Tensor  # [G, k]
     is_end: torch.Tensor  # [G, k] bool; False also for samples dropped for a non-finite reward
     keep: torch.Tensor  # [G, k] bool; samples that contribute to the loss
-    num_tokens: int  # response tokens of kept samples: the loss normaliser
+    num_tokens: int  # response tokens of kept samples: the token_mean loss normaliser
+
+    @property
+    def num_samples(self) -> int:
+        """Kept samples: the sequence_mean and constant loss normaliser."""
+        return int(self.keep.sum())
 
     @classmethod
     def from_groups(cls, groups: list[RolloutGroup]) -> StepBatch:

@@ -30,6 +30,7 @@ from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.threads import configure_threads
 from reinforce.core.trackers import Trackers
 from reinforce.core.weights import WeightServer, publish
 from reinforce.trainer.algorithms import build_algorithm
@@ -319,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per critic request
+    configure_threads()
     ranks = Ranks.from_environment()
     spec = load_spec(args.spec)
     trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)

@@ -20,7 +20,8 @@ the n real tokens of each row.
     L_critic  = (1/N) sum_t mask_t * 0.5 * max((V(s_t) - R_t)^2,  (V^clip_t - R_t)^2)
 
 N is the number of response tokens in the whole (mini)batch: the losses are masked token means, and passing the
-batch's N to each micro-batch makes gradient accumulation add up to exactly the full-batch gradient.
+batch's N to each micro-batch makes gradient accumulation add up to exactly the full-batch gradient. L_clip and H
+follow `algorithm.loss_aggregation` (token_mean above; aggregation.py); L_critic is always the token mean.
 
 References, NeMo-Aligner (github.com/NVIDIA/NeMo-Aligner):
     r_t               utils/ppo_utils.py calculate_ppo_rewards (the score at index response_length - 2 of its
@@ -44,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from reinforce.trainer.algorithms.aggregation import LossNormalizer
 
 SumOverRanks = Callable[[Tensor], Tensor]
 
@@ -137,23 +140,26 @@ def ppo_policy_loss(
     advantages: Tensor,
     mask: Tensor,
     ratio_eps: float,
-    num_tokens: int | None = None,
+    normalizer: LossNormalizer | None = None,
     entropies: Tensor | None = None,
     entropy_bonus: float = 0.0,
 ) -> PolicyLoss:
     """The clipped surrogate L_actor. logprobs (differentiable), old_logprobs, advantages (whitened), mask, and the
-    optional token entropies H_t: all [B, T]. num_tokens: N of the whole batch (None: this call's token count)."""
+    optional token entropies H_t: all [B, T]. normalizer: the whole minibatch's loss aggregation, which L_clip and
+    H in the loss use (None: the masked token mean over this call's tokens)."""
     mask = mask.bool()
+    if normalizer is None:
+        normalizer = LossNormalizer("token_mean", int(mask.sum()), mask.shape[0])
     advantages = advantages.detach()
     # Padding's log-ratio is set to 0 before exp: exp of garbage may overflow, and its gradient (0 * inf) be nan.
     ratio = torch.exp(torch.where(mask, logprobs - old_logprobs.detach(), 0.0))
     ratio_clamped = ratio.clamp(1.0 - ratio_eps, 1.0 + ratio_eps)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio_clamped
-    loss = _token_mean(torch.maximum(unclipped, clipped), mask, num_tokens)
+    loss = normalizer.reduce(torch.maximum(unclipped, clipped), mask)
     entropy = None
     if entropies is not None:
-        loss = loss - entropy_bonus * _token_mean(entropies, mask, num_tokens)
+        loss = loss - entropy_bonus * normalizer.reduce(entropies, mask)
         entropy = _token_mean(entropies.detach(), mask, None)
     return PolicyLoss(
         loss=loss,

@@ -30,6 +30,7 @@ from torch import Tensor
 from reinforce.core.spec import RunSpec
 from reinforce.critic.api import Minibatch
 from reinforce.critic.client import CriticClient, CriticError
+from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, TokenStats
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
 from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean
@@ -176,6 +177,7 @@ class PPO(Algorithm):
         alg, t, temperature = self.spec.algorithm, self.spec.training, self.spec.generation.temperature
         backend.zero_grad()
         num_tokens = int(rollout.mask[rows].sum())
+        normalizer = step_normalizer(self.spec, num_tokens, int(rollout.keep[rows].sum()))
         micro = t.micro_batch_prompts * alg.num_rollouts_per_prompt
         sums = dict.fromkeys(("loss", "ppo_ratio", "ppo_ratio_clamped", "ppo_clip_fraction", "entropy"), 0.0)
         for part in rows.split(micro):
@@ -185,7 +187,7 @@ class PPO(Algorithm):
             columns = slice(0, mask.shape[1])
             out = ppo_policy_loss(
                 logprobs, rollout.old_logprobs[part, columns], rollout.whitened[part, columns],
-                rollout.mask[part, columns], alg.ratio_eps, num_tokens, entropy, alg.entropy_bonus,
+                rollout.mask[part, columns], alg.ratio_eps, normalizer, entropy, alg.entropy_bonus,
             )  # fmt: skip
             out.loss.backward()
             share = float(rollout.mask[part].sum()) / max(num_tokens, 1)  # this part's share of the token means

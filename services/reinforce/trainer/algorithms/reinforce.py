@@ -10,7 +10,7 @@ y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen init
     b_i                = mean of rewards_with_kl_j over the properly-ended j != i    (M >= 2 ended)
                        = rewards_with_kl_i                                            (M < 2: no signal)
     A_i                = rewards_with_kl_i - b_i                 (a constant: it carries no gradient)
-    loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i
+    loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i     (loss_aggregation token_mean)
 
 `algorithm.advantage_estimator` chooses A: rloo (above, the default), grpo (group-normalised) or
 reinforce_plus_plus (a per-token A_it, whitened over the step's batch); the other two are in advantages.py, and
@@ -24,7 +24,8 @@ same weight there (truncated importance sampling, as Yao et al. 2025 propose for
 nothing but an element-wise ratio; with mu = pi it is 1 and changes nothing.
 
 N is the number of response tokens in the whole step's batch, so the loss is the masked token mean and
-gradient accumulation over micro-batches adds up to exactly the full-batch gradient.
+gradient accumulation over micro-batches adds up to exactly the full-batch gradient. `algorithm.loss_aggregation`
+also offers the per-sample mean and Dr. GRPO's constant normaliser (aggregation.py).
 
 One deliberate difference from NeMo-Aligner: for a sample that did not end, NeMo-Aligner divides the sum of
 the ended others by M - 1 although there are M of them, overstating its baseline; we use the true mean.
@@ -44,6 +45,7 @@ from reinforce.trainer.algorithms.advantages import (
     grpo_advantages,
     reinforce_plus_plus_advantages,
 )
+from reinforce.trainer.algorithms.aggregation import LossNormalizer, step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, TokenStats
 from reinforce.trainer.algorithms.ppo import SumOverRanks, local_sum
 from reinforce.trainer.backends.base import TrainerBackend
@@ -117,18 +119,23 @@ def truncated_importance_weights(logprobs: Tensor, behaviour_logprobs: Tensor, c
 
 
 def policy_gradient_loss(
-    logprobs: Tensor, advantages: Tensor, mask: Tensor, num_tokens: int, importance_weights: Tensor | None = None
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    normalizer: LossNormalizer,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
-    """The REINFORCE loss of a (micro-)batch: -(1/N) sum mask * w * log pi * A, with N the step's token count.
+    """The REINFORCE loss of a (micro-)batch: the terms -w * log pi * A aggregated by `normalizer` (by default the
+    masked token mean over the step: -(1/N) sum mask * w * log pi * A).
 
     logprobs, mask and importance_weights w (default 1): [B, T]; advantages: [B] (one per sample) or [B, T] (one
-    per token). Summing this over micro-batches gives the step's masked token mean, whatever the micro-batch size.
+    per token). Summing this over micro-batches gives the step's loss, whatever the micro-batch size.
     """
     advantages = advantages.detach()
     per_token = logprobs * (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages)
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach()
-    return -torch.where(mask.bool(), per_token, 0.0).sum() / max(num_tokens, 1)
+    return -normalizer.reduce(per_token, mask)
 
 
 def mismatched_groups(
@@ -199,7 +206,8 @@ class Reinforce(Algorithm):
         if alg.advantage_estimator == "reinforce_plus_plus":
             whole_batch, ref_seconds = self.whole_batch_advantages(batch, backend)
         backend.zero_grad()
-        num_tokens = self.ranks.sum(batch.num_tokens)  # N: the token count of every rank's batch
+        # N and S of every rank's batch
+        normalizer = step_normalizer(self.spec, self.ranks.sum(batch.num_tokens), self.ranks.sum(batch.num_samples))
         kl_all, loss_total, refused_groups = [], 0.0, 0
         advantages_abs, mismatch, weights = TokenStats(), TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
@@ -226,7 +234,7 @@ class Reinforce(Algorithm):
             if alg.max_policy_lag > 0 or self.spec.corrects_engine_mismatch():
                 rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
                 weights.add(rho, loss_mask)
-            loss = policy_gradient_loss(logprobs, adv.advantages, loss_mask, num_tokens, rho)
+            loss = policy_gradient_loss(logprobs, adv.advantages, loss_mask, normalizer, rho)
             loss.backward()
             loss_total += loss.item()
             # train/inference mismatch: only where the generator had the very weights being trained

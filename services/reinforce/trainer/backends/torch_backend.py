@@ -1,8 +1,14 @@
 """The torch backend: the policy and its frozen reference as Hugging Face models, AdamW, data parallelism by
-summing gradients over torchrun ranks (trainer/distributed.py)."""
+summing gradients over torchrun ranks (trainer/distributed.py).
+
+training.precision bf16: the policy keeps float32 weights (AdamW's master weights, its state float32 too) and runs
+its forward and backward under autocast, so matmuls run in bfloat16 and gradients land in float32; the frozen
+reference is simply a bfloat16 copy. models.response_logprobs takes the log-softmax in float32 either way.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -23,6 +29,7 @@ class TorchBackend(TrainerBackend):
         self.ranks = ranks
         self.policy_dir = policy_dir
         self.policy = load_policy(policy_dir).train()
+        self.compute_dtype = torch.bfloat16 if training.precision == "bf16" else torch.float32
         self.peft = None
         if training.lora is not None:
             # LoRA: PEFT injects adapters into self.policy in place; the reference is the same model with the
@@ -31,29 +38,38 @@ class TorchBackend(TrainerBackend):
             self.reference = None
         else:
             # The reference is always the initial policy, also after a resume.
-            self.reference = load_policy(policy_dir).requires_grad_(False)
+            self.reference = load_policy(policy_dir).requires_grad_(False).to(self.compute_dtype)
         t = training
         self.optimizer = torch.optim.AdamW(
             self.trainable_parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16: the policy's matmuls in bfloat16 (the backward follows the forward's casts); fp32: nothing."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        device = next(self.policy.parameters()).device.type
+        return torch.autocast(device, dtype=self.compute_dtype)
+
     def policy_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return response_logprobs(self.policy, prompt_ids, response_ids, temperature)
+        with self.autocast():
+            return response_logprobs(self.policy, prompt_ids, response_ids, temperature)
 
     def policy_logprobs_and_entropy(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return response_logprobs_and_entropy(self.policy, prompt_ids, response_ids, temperature)
+        with self.autocast():
+            return response_logprobs_and_entropy(self.policy, prompt_ids, response_ids, temperature)
 
     @torch.no_grad()
     def reference_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> torch.Tensor:
         if self.peft is not None:
-            with self.peft.disable_adapter():
+            with self.peft.disable_adapter(), self.autocast():
                 return response_logprobs(self.policy, prompt_ids, response_ids, temperature)[0]
         return response_logprobs(self.reference, prompt_ids, response_ids, temperature)[0]
 

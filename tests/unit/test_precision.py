@@ -1,0 +1,60 @@
+"""training.precision bf16: autocast forward and backward, float32 master weights and AdamW state, a bfloat16
+reference, float32 log-probs within a stated tolerance of float32's."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from reinforce.core.spec import TrainingSpec
+from reinforce.trainer.backends.torch_backend import TorchBackend
+from reinforce.trainer.distributed import Ranks
+
+# bfloat16 keeps 8 significant bits (relative error 2^-9 per rounding): a log-prob of this small model moves by a few
+# thousandths; on SmolLM2-135M (logits ~20) the mean is ~0.01-0.02 (SPEED_NOTES.md).
+MEAN_TOLERANCE, MAX_TOLERANCE = 0.02, 0.1
+PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6]]
+RESPONSES = [[20, 21, 22], [30, 31, 32, 33, 34], [40]]
+
+
+def _backends(tmp_path) -> tuple[TorchBackend, TorchBackend]:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "policy")
+    return tuple(
+        TorchBackend(TrainingSpec(lr=1e-3, precision=p), tmp_path / "policy", Ranks()) for p in ("fp32", "bf16")
+    )
+
+
+def test_bf16_logprobs_stay_close_to_fp32_and_are_float32(tmp_path):
+    fp32, bf16 = _backends(tmp_path)
+    exact, mask = fp32.policy_logprobs(PROMPTS, RESPONSES, 1.0)
+    pairs = {
+        "policy": (exact, bf16.policy_logprobs(PROMPTS, RESPONSES, 1.0)[0]),
+        "reference": (
+            fp32.reference_logprobs(PROMPTS, RESPONSES, 1.0),
+            bf16.reference_logprobs(PROMPTS, RESPONSES, 1.0),
+        ),
+    }
+    for name, (want, got) in pairs.items():
+        gap = (want - got).abs()[mask.bool()]
+        assert got.dtype == torch.float32
+        assert gap.mean() < MEAN_TOLERANCE and gap.max() < MAX_TOLERANCE, (name, gap)
+        assert gap.max() > 0, name  # bfloat16 really ran
+    assert next(bf16.reference.parameters()).dtype == torch.bfloat16
+
+
+def test_bf16_keeps_float32_master_weights_and_optimizer_state(tmp_path):
+    _, bf16 = _backends(tmp_path)
+    before = {n: p.detach().clone() for n, p in bf16.policy.named_parameters()}
+    bf16.zero_grad()
+    logprobs, mask = bf16.policy_logprobs(PROMPTS, RESPONSES, 1.0)
+    (-(logprobs * mask).sum() / mask.sum()).backward()
+    assert all(p.grad.dtype == torch.float32 for p in bf16.trainable_parameters())
+    bf16.optimizer_step()
+    assert all(p.dtype == torch.float32 for p in bf16.policy.parameters())
+    for state in bf16.optimizer.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    # updates smaller than a bfloat16 step survive in the float32 master weights
+    assert any(not torch.equal(before[n], p) for n, p in bf16.policy.named_parameters())
