@@ -140,3 +140,21 @@ def test_a_critic_that_lost_steps_stops_the_trainer(policy_dir: Path) -> None:
     ppo.restore(0)
     with pytest.raises(CriticError, match="restarted from an older checkpoint"):
         ppo.update(step_batch(), TorchBackend(spec.training, policy_dir, Ranks()), version=0)
+
+
+def test_baseline_over_all_samples_gives_signal_to_groups_that_did_not_end(policy_dir: Path) -> None:
+    """No sample ends (every response cut by max_new_tokens): NeMo-Aligner's baseline over the ended samples gives
+    no signal; TRL's over all samples (baseline_samples: all) does, and it averages the other k - 1."""
+    batch = step_batch()
+    batch.is_end[:] = False
+    advantages = {}
+    for members in ("ended", "all"):
+        spec = spec_with({"baseline_samples": members})
+        backend = TorchBackend(spec.training, policy_dir, Ranks())
+        advantages[members] = Reinforce(spec, Ranks()).update(batch, backend, version=0)[
+            "train_rollouts/advantages_abs"
+        ]
+    assert advantages["ended"] == 0.0
+    assert advantages["all"] > 0.0
+    all_members = Reinforce(spec_with({"baseline_samples": "all"}), Ranks()).baseline_members(batch)
+    assert torch.equal(all_members, batch.keep)  # every scored sample; the non-finite reward stays out

@@ -159,6 +159,12 @@ class AlgorithmSpec(_Section):
         description="reinforce: rloo (leave-one-out baseline of the properly-ended others), grpo (group mean and "
         "std, TRL), reinforce_plus_plus (per-token KL rewards, returns whitened over the step's batch, OpenRLHF).",
     )
+    baseline_samples: Literal["ended", "all"] = Field(
+        "ended",
+        description="rloo: the samples the leave-one-out baseline averages: ended (the other properly-ended ones, "
+        "NeMo-Aligner; a prompt with fewer than two ended samples gives no signal) or all (the other k - 1, TRL and "
+        "OpenRLHF; responses cut by max_new_tokens still teach).",
+    )
     num_rollouts_per_prompt: int = Field(
         4, ge=2, description="k: samples per prompt (at least 2: the leave-one-out baseline needs another sample)."
     )

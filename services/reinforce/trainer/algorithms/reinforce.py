@@ -9,6 +9,7 @@ y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen init
     rewards_with_kl_i  = r_i - beta * KL_i
     b_i                = mean of rewards_with_kl_j over the properly-ended j != i    (M >= 2 ended)
                        = rewards_with_kl_i                                            (M < 2: no signal)
+                         (baseline_samples: all counts every scored sample as ended, as TRL's RLOO does)
     A_i                = rewards_with_kl_i - b_i                 (a constant: it carries no gradient)
     loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i     (loss_aggregation token_mean)
 
@@ -221,7 +222,9 @@ class Reinforce(Algorithm):
                 ref_seconds += time.perf_counter() - ref_start
             logprobs, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
             if whole_batch is None:
-                adv = self.advantages(batch.rewards[rows], logprobs, ref_logprobs, mask, batch.is_end[rows])
+                adv = self.advantages(
+                    batch.rewards[rows], logprobs, ref_logprobs, mask, self.baseline_members(batch)[rows]
+                )
             else:
                 samples = slice(start * k, (start + len(groups)) * k)
                 adv = TokenAdvantages(whole_batch.kl[samples], whole_batch.advantages[samples, : mask.shape[1]])
@@ -262,6 +265,11 @@ class Reinforce(Algorithm):
             "timers/train_time": time.perf_counter() - train_start - ref_seconds,
         }
 
+    def baseline_members(self, batch: StepBatch) -> Tensor:
+        """The samples RLOO's baseline averages over: the properly ended ones (NeMo-Aligner) or every scored one
+        (`baseline_samples: all`, TRL), so that responses cut by max_new_tokens still carry a signal."""
+        return batch.is_end if self.spec.algorithm.baseline_samples == "ended" else batch.keep
+
     def advantages(
         self, rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, is_end: Tensor
     ) -> TokenAdvantages:
@@ -285,6 +293,6 @@ class Reinforce(Algorithm):
             logprobs.append(current)
             masks.append(mask)
         advantages = self.advantages(
-            batch.rewards, pad_cat(logprobs), pad_cat(ref_logprobs), pad_cat(masks), batch.is_end
+            batch.rewards, pad_cat(logprobs), pad_cat(ref_logprobs), pad_cat(masks), self.baseline_members(batch)
         )
         return advantages, ref_seconds
