@@ -285,10 +285,12 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
 
 
 def _parameters(policy: Path) -> int:
+    import math
+
     from safetensors import safe_open
 
     with safe_open(str(policy / "model.safetensors"), "pt") as f:
-        return sum(f.get_slice(name).get_shape().numel() for name in f.keys())  # noqa: SIM118 (not a dict)
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (not a dict)
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
@@ -380,6 +382,7 @@ def main() -> None:
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.16.0 and vaderSentiment")
     parser.add_argument("--skip-trl", action="store_true", help="only `reinforce run` (ratios need a TRL run)")
     parser.add_argument("--note", default="", help="appended to the machine line (e.g. a busy machine)")
+    parser.add_argument("--work", type=Path, help="keep the runs' folders and logs here (default: a temporary one)")
     parser.add_argument("--render", action="store_true", help="only regenerate BENCHMARKS.md from the saved JSON")
     parser.add_argument("--trl-worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -397,7 +400,8 @@ def main() -> None:
     info["fp32_gflops"], info["bf16_gflops"] = matmul_peak_gflops("fp32"), matmul_peak_gflops("bf16")
     runs = []
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
         for repeat in range(args.repeats):
             trl = None if args.skip_trl else run_trl(work, args.trl_python, policy, prompts, s)
