@@ -26,6 +26,7 @@ import yaml
 from k8s import HELM, KUBECTL, REPO, example_run, single_node, single_node_skip_reason
 from kubernetes import client, config
 from promserver import Prometheus, assert_every_dashboard_query_answers
+from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
 
 from generate import crd
 from generate.chart_values import CHART
@@ -33,7 +34,6 @@ from reinforce.core.metrics import read_metrics
 from reinforce.core.names import K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.resource import KubernetesSpec
-from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

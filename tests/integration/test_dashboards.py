@@ -27,6 +27,7 @@ from promserver import (
     metric_names,
     panel_queries,
 )
+from runs import start, wait_for_step, write_spec
 
 from generate.dashboards import (
     ALERTS,
@@ -38,7 +39,6 @@ from generate.dashboards import (
 from reinforce.core.metrics import STEP_METRICS, CriticMetrics, GeneratorMetrics, TrainerMetrics, prometheus_name
 from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
 from reinforce.supervisor.main import PROMETHEUS_TARGETS
-from runs import start, wait_for_step, write_spec
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES_TEST = ALERTS_FILE.with_name("reinforce-rules.test.yaml")

@@ -8,9 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
 from runs import (
     BASELINE_TRAINING,
     assert_each_step_trained_once,
@@ -22,6 +19,9 @@ from runs import (
     wait_for_step,
     write_spec,
 )
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
 
 pytestmark = pytest.mark.slow
 STEPS = BASELINE_TRAINING["steps"]

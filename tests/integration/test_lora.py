@@ -9,12 +9,12 @@ import signal
 
 import pytest
 import torch
+from runs import assert_each_step_trained_once, final_weights, service_pids, start, wait_for_step, write_spec
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import assert_each_step_trained_once, final_weights, service_pids, start, wait_for_step, write_spec
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import BASELINE_TRAINING, max_weight_difference, reinforce, service_pids, start, wait_for_step, write_spec
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import BASELINE_TRAINING, max_weight_difference, reinforce, service_pids, start, wait_for_step, write_spec
 
 
 @pytest.mark.slow

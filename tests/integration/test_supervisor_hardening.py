@@ -11,10 +11,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from runs import reinforce, start, wait_for_step, write_spec
 
 from reinforce.core.run_dir import RunPaths
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
-from runs import reinforce, start, wait_for_step, write_spec
 
 pytestmark = pytest.mark.slow
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # gRPC binds IPv4 loopback as mapped IPv6

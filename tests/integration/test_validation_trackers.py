@@ -13,10 +13,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
-from reinforce.core.trackers import wandb_history
 from runs import (
     EXAMPLES,
     assert_each_step_trained_once,
@@ -26,6 +22,10 @@ from runs import (
     wait_for_step,
     write_spec,
 )
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.trackers import wandb_history
 
 VAL = ("val/rewards", "val/response_lengths", "val/init_policy_kl")
 

@@ -398,33 +398,6 @@ def megatron_shards_to_hf(shards: Sequence[Mapping[str, Tensor]], layout: LlamaL
     return megatron_to_hf(merge_state_dicts(shards), layout)
 
 
-def pipeline_stage_state_dict(full: Mapping[str, Tensor], layout: LlamaLayout, stage: int, stages: int) -> StateDict:
-    """The part of a (TP-sharded or full) Megatron state dict that pipeline stage `stage` of `stages` holds.
-
-    Layers are split evenly, as Megatron does by default, and renumbered from 0 on each stage. With tied
-    embeddings the last stage holds its own copy of the embedding as output_layer.weight (Megatron keeps the
-    two equal by all-reducing their gradients in its DDP path, which does not run on CPU: see cpu_shim).
-    """
-    if layout.num_layers % stages:
-        raise ValueError(f"{layout.num_layers} layers do not split evenly over {stages} pipeline stages")
-    per_stage = layout.num_layers // stages
-    first, last = stage == 0, stage == stages - 1
-    out: StateDict = {}
-    for name, tensor in full.items():
-        if name.startswith("decoder.layers."):
-            index, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            local = int(index) - per_stage * stage
-            if 0 <= local < per_stage:
-                out[f"decoder.layers.{local}.{rest}"] = tensor
-        elif (name.startswith("embedding.") and first) or (
-            name.startswith(("decoder.final_layernorm.", "output_layer.")) and last
-        ):
-            out[name] = tensor
-    if last and not first and layout.tied_embeddings:
-        out["output_layer.weight"] = full["embedding.word_embeddings.weight"].clone()
-    return out
-
-
 def hf_parameter_count(layout: LlamaLayout) -> int:
     """Parameters of the HF model (tied weights once), for checking a built GPTModel against."""
     h, f, d = layout.hidden_size, layout.ffn_hidden_size, layout.head_dim

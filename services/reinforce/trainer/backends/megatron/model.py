@@ -231,8 +231,9 @@ def response_logprobs_and_entropy(
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits, targets, mask = _response_logits(model, prompt_ids, response_ids, temperature, None)
-    logprobs = padded_like(mask, -vocab_parallel_cross_entropy(logits, targets))
-    return logprobs, padded_like(mask, _vocab_parallel_entropy(logits)), mask
+    # The entropy first: vocab_parallel_cross_entropy overwrites its input with the softmax (in place).
+    entropy = padded_like(mask, _vocab_parallel_entropy(logits))
+    return padded_like(mask, -vocab_parallel_cross_entropy(logits, targets)), entropy, mask
 
 
 def _vocab_parallel_entropy(logits: Tensor) -> Tensor:
