@@ -285,3 +285,18 @@ def test_default_causal_mask_is_built_on_the_cpu() -> None:
     mask = fused_softmax.get_default_causal_mask(3)
     assert mask.device.type == "cpu"
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+def test_lookups_of_the_pad_token_train_as_in_hf() -> None:
+    """HF's embedding has padding_idx = pad_token_id: a sampled pad token's lookup gives its row no gradient."""
+    hf_model = tiny_hf_model(tiny_config()).train()  # pad_token_id 0
+    model, layout = megatron_from_hf(hf_model, 1)
+    model.train()
+    prompts, responses = [[1, 0, 5], [0, 2]], [[0, 7, 0], [3, 0]]
+    logprobs, mask = hf_response_logprobs(hf_model, prompts, responses, 1.0)
+    (-(logprobs * mask).sum()).backward()
+    logprobs, mask = response_logprobs(model, prompts, responses, 1.0)
+    (-(logprobs * mask).sum()).backward()
+    hf_grads = convert.hf_to_megatron({n: p.grad for n, p in hf_model.named_parameters()}, layout)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, hf_grads[name], rtol=0, atol=1e-5, msg=name)

@@ -208,7 +208,8 @@ def build_gpt_model(
 ) -> Any:
     """A GPTModel (this rank's shard) shaped like `config`; megatron's parallel state must be initialised.
 
-    The returned model carries `unpadded_vocab_size` (the HF vocabulary): log-probs must ignore the padded rows.
+    The returned model carries `unpadded_vocab_size` (the HF vocabulary): log-probs must ignore the padded rows;
+    and `padding_idx` (the HF config's pad_token_id).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -235,6 +236,7 @@ def build_gpt_model(
         rotary_base=_rope_theta(config),  # type: ignore[arg-type]  # annotated int; used as a float base
     )
     model.unpadded_vocab_size = layout.vocab_size
+    model.padding_idx = config.pad_token_id  # HF's embedding passes no gradient through lookups of it
     _mark_tensor_parallel(model)
     return model
 

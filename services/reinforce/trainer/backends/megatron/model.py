@@ -191,8 +191,14 @@ def _response_logits(
     # Right padding and a causal mask: a real token never attends to padding, so no attention mask is needed
     # (Megatron builds the causal one); positions are a plain arange for every row.
     positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
+    embedded = model.embedding(input_ids=input_ids, position_ids=positions)  # [S, B, H]
+    if model.padding_idx is not None:
+        # HF's Llama embeds with nn.Embedding(padding_idx=pad_token_id): a lookup of the pad token (a sampled
+        # response may hold it) passes no gradient to that row. The same here, or the two backends train apart.
+        lookups_of_pad = (input_ids == model.padding_idx).t().unsqueeze(-1)
+        embedded = torch.where(lookups_of_pad, embedded.detach(), embedded)
     with _hidden_states_only(model):
-        hidden = model(input_ids=input_ids, position_ids=positions, attention_mask=None)  # [S, B, H]
+        hidden = model(input_ids=input_ids, position_ids=positions, attention_mask=None, decoder_input=embedded)
     rows, cols, targets, mask = response_positions(prompt_ids, response_ids, device)
     picked_hidden = hidden[cols, rows].unsqueeze(1)  # [N, 1, H]: Megatron's linears take [s, b, h]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
