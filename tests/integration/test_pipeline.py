@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import BASELINE_TRAINING, MEGATRON_TP2, max_weight_difference, reinforce, service_pids, start, wait_for_step, write_spec
+from runs import (
+    BASELINE_TRAINING,
+    MEGATRON_TP2,
+    max_weight_difference,
+    reinforce,
+    service_pids,
+    start,
+    wait_for_step,
+    write_spec,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
