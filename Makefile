@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,trackers,data,lora]"
+	$(PY) -m pip install -q -e ".[dev,trackers,data,lora,megatron,dali]"
 	$(PY) scripts/install_system.py
 	touch $@
 
