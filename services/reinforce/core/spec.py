@@ -140,6 +140,12 @@ class DataSpec(_Section):
         description="A prompt longer than max_prompt_tokens: truncate keeps its last tokens (and BOS); skip "
         "takes the next prompt instead (metrics `data/truncated_prompts`, `data/skipped_long_prompts`).",
     )
+    loader: Literal["default", "dali"] = Field(
+        "default",
+        description="default: the trainer reads `prompts` (a file) and tokenizes as it feeds. dali: `prompts` is a "
+        "folder of pre-tokenized .npy shards written by `reinforce shard-prompts`, read with NVIDIA DALI's numpy "
+        "reader in the same seeded order (the `dali` extra); for millions of prompts.",
+    )
 
 
 class AlgorithmSpec(_Section):

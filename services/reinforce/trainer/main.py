@@ -91,11 +91,7 @@ class Trainer:
         queue = connect(redis_url, max_outage_s=spec.queue.max_outage_s, stopping=self.stopping)
         self.queue = RolloutQueue(queue, spec.name)
         self.queue.ensure_groups()
-        # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
-        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
-        self.feeder = PromptFeeder(
-            spec, PromptCursor(prompts, spec.seed, spec.data.shuffle), self.tokenizer, self.queue
-        )
+        self.feeder = PromptFeeder(spec, open_prompt_cursor(spec), self.tokenizer, self.queue)
         self.collector = GroupCollector(
             spec, self.queue, self.consumer, self.ranks, self.feeder.prompt_of, self.stopping
         )
@@ -114,10 +110,7 @@ class Trainer:
         checkpoints = list_checkpoints(self.paths.checkpoints)
         if checkpoints:
             state = load_checkpoint(checkpoints[-1], self.backend)
-            cursor = self.feeder.cursor
-            self.feeder.cursor = PromptCursor.from_state(
-                cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
-            )
+            self.feeder.cursor = self.feeder.cursor.restored(state.cursor)
             self.step = state.step
             log.info("resumed from %s at step %d", checkpoints[-1], self.step)
         self.algorithm.restore(self.step)
@@ -290,6 +283,17 @@ class Trainer:
             "queue/rollouts_waiting": float(depths["rollouts_unread"]),
             "queue/dead_letters": float(depths["deadletter"]),
         }
+
+
+def open_prompt_cursor(spec: RunSpec) -> PromptCursor:
+    """The data cursor of data.loader: over the prompt file (default), or over pre-tokenized shards (dali)."""
+    if spec.data.loader == "dali":
+        from reinforce.core.dali_prompts import DaliPromptCursor
+
+        return DaliPromptCursor(spec.data.prompts, spec.seed, spec.data.shuffle, spec.data)
+    # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
+    prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
+    return PromptCursor(prompts, spec.seed, spec.data.shuffle)
 
 
 def _prompt_index(group: RolloutGroup) -> int:
