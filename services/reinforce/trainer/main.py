@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from prometheus_client import start_http_server
 
-from reinforce.core.data import PromptCursor, read_prompt_file
+from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import load_tokenizer, materialize_policy
@@ -285,7 +285,7 @@ class Trainer:
         }
 
 
-def open_prompt_cursor(spec: RunSpec) -> PromptCursor:
+def open_prompt_cursor(spec: RunSpec) -> DataCursor:
     """The data cursor of data.loader: over the prompt file (default), or over pre-tokenized shards (dali)."""
     if spec.data.loader == "dali":
         from reinforce.core.dali_prompts import DaliPromptCursor
