@@ -454,11 +454,9 @@ class RunSpec(_Section):
             )
         a = self.algorithm
         if a.name == "ppo":
-            if t.data_parallel > 1:
-                raise ValueError(
-                    "algorithm.name ppo trains with one data-parallel rank (one critic client): training.num_ranks "
-                    "must equal tensor_parallel x pipeline_parallel"
-                )
+            if t.num_ranks > 1:
+                # a tensor-parallel peer would be a second critic client: every critic step taken twice
+                raise ValueError("algorithm.name ppo trains with training.num_ranks 1 (one critic client)")
             if a.max_policy_lag > 0:
                 raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")
             if t.prompts_per_step % a.num_minibatches:
