@@ -97,6 +97,18 @@ def tiny_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_megatron_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of examples/tiny.yaml on the Megatron backend over two tensor-parallel ranks
+    (runs.BASELINE_TRAINING, runs.MEGATRON_TP2): what a resumed Megatron run must reproduce bit for bit."""
+    from runs import BASELINE_TRAINING, MEGATRON_TP2, reinforce, write_spec
+
+    folder = tmp_path_factory.mktemp("megatron-baseline")
+    result = reinforce("run", str(write_spec(folder, training={**BASELINE_TRAINING, **MEGATRON_TP2})))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "run"
+
+
+@pytest.fixture(scope="session")
 def tiny_ppo_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run of examples/tiny-ppo.yaml (runs.BASELINE_TRAINING): what PPO runs with a killed critic
     or a resume must reproduce."""

@@ -20,6 +20,8 @@ from reinforce.core.run_dir import RunPaths
 EXAMPLES = Path(__file__).parent.parent / "examples"
 # The training section of the `tiny_baseline` run (tests/conftest.py) that other runs are compared with.
 BASELINE_TRAINING = {"steps": 12, "checkpoint_every": 4}
+# The training settings that put the tiny example on the Megatron backend, split over two tensor-parallel ranks.
+MEGATRON_TP2 = {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 2}
 
 
 needs_vllm = pytest.mark.skipif(

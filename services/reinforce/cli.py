@@ -1,6 +1,7 @@
 """`reinforce`: the command line. `reinforce run` runs a pipeline locally; `reinforce operator` runs the
 Kubernetes operator; `reinforce rollout` keeps generators on the latest weights where neither runs
-(docker compose). Each command lives with its service; this only dispatches."""
+(docker compose); `reinforce shard-prompts` writes pre-tokenized prompt shards for data.loader dali. Each command
+lives with its service; this only dispatches."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from reinforce.core.spec import SpecError
 
 
 def main(argv: list[str] | None = None) -> None:
+    from reinforce.core.dali_prompts import add_shard_prompts_command
     from reinforce.core.rollout import add_rollout_command
     from reinforce.operator.main import add_operator_command
     from reinforce.supervisor.main import add_run_command
@@ -20,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     add_run_command(commands)
     add_operator_command(commands)
     add_rollout_command(commands)
+    add_shard_prompts_command(commands)
     args = parser.parse_args(argv)
     if (check := getattr(args, "check", None)) and (problem := check(args)):
         parser.error(problem)

@@ -13,6 +13,7 @@ from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
 from runs import (
     BASELINE_TRAINING,
+    MEGATRON_TP2,
     assert_each_step_trained_once,
     max_weight_difference,
     needs_vllm,
@@ -38,13 +39,22 @@ def kill_mid_run(proc, run_dir: Path, pid_of, step: int | None = None) -> int:
     return step
 
 
-def test_killed_trainer_resumes_to_identical_weights(tmp_path, tiny_baseline):
-    """kill -9 the trainer with restarts off: the run fails; `reinforce run --resume` finishes it exactly."""
-    proc = start("run", str(write_spec(tmp_path, training=SHORT, restart={"max_restarts": 0})))
+@pytest.mark.parametrize(
+    ("training", "baseline", "exit_code"),
+    # torchrun stops the other rank when one dies and exits with 1 itself
+    [({}, "tiny_baseline", -9), (MEGATRON_TP2, "tiny_megatron_baseline", 1)],
+    ids=["torch", "megatron-tp2"],
+)
+def test_killed_trainer_resumes_to_identical_weights(tmp_path, request, training, baseline, exit_code):
+    """kill -9 the trainer (with torchrun: its last rank) with restarts off: the run fails; `reinforce run
+    --resume` finishes it exactly (Megatron: from the sharded checkpoint, every rank its own shard)."""
+    tiny_baseline = request.getfixturevalue(baseline)
+    proc = start("run", str(write_spec(tmp_path, training={**SHORT, **training}, restart={"max_restarts": 0})))
     run_dir = tmp_path / "run"
-    killed_at = kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, "reinforce.trainer")[0])
+    # the newest trainer process: the only one without torchrun, the last rank under it (the launcher is older)
+    killed_at = kill_mid_run(proc, run_dir, lambda: max(service_pids(run_dir, "reinforce.trainer")))
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "component trainer exited with code -9" in stderr
+    assert proc.returncode == 1 and f"component trainer exited with code {exit_code}" in stderr
 
     result = reinforce("run", "--resume", str(run_dir))
     assert result.returncode == 0, f"killed after step {killed_at}: {result.stderr[-3000:]}"

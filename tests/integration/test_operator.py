@@ -146,6 +146,13 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     assert stateful_set["spec"]["replicas"] == 2 and command[:2] == ["sh", "-c"]
     assert "--nnodes=2 --nproc-per-node=1 --node-rank=${POD_NAME##*-}" in command[2]
     assert "--master-addr=tiny-trainer-0.tiny-trainer.ns.svc" in command[2]
+    # data x tensor: 4 ranks of tensor_parallel 2 are two pods (replicas), each running its two tensor ranks
+    megatron = {"backend": "megatron", "num_ranks": 4, "tensor_parallel": 2}
+    tp_spec = spec.model_copy(update={"training": spec.training.model_validate(megatron)})
+    stateful_set = trainer_stateful_set(Run("tiny", "ns", "uid-1", tp_spec, config))
+    command = stateful_set["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert stateful_set["spec"]["replicas"] == 2
+    assert "--nnodes=2 --nproc-per-node=2 --node-rank=${POD_NAME##*-}" in command[2]
 
 
 @pytest.mark.parametrize(

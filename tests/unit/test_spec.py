@@ -70,6 +70,23 @@ def test_defaults_follow_nemo_aligner():
         ({"algorithm": {"name": "ppo", "num_minibatches": 3}}, "must be a multiple of algorithm.num_minibatches (3)"),
         ({"algorithm": {"name": "ppo", "max_policy_lag": 1}}, "algorithm.max_policy_lag must be 0"),
         ({"algorithm": {"name": "ppo"}, "training": {"num_ranks": 2}}, "ppo trains with training.num_ranks 1"),
+        ({"training": {"tensor_parallel": 2, "num_ranks": 2}}, "training.tensor_parallel > 1 needs training.backend"),
+        (
+            {"algorithm": {"name": "ppo"}, "training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 2}},
+            "ppo trains with training.num_ranks 1",
+        ),
+        (
+            {"training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 3}},
+            "training.num_ranks (3) must be a multiple of training.tensor_parallel",
+        ),
+        ({"training": {"backend": "megatron", "pipeline_parallel": 2}}, "training.pipeline_parallel > 1 is not supp"),
+        (
+            {
+                "training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 2},
+                "data": {"prompts": "p.txt", "validation_prompts": "v.txt"},
+            },
+            "data.validation_prompts with training.tensor_parallel > 1",
+        ),
         ({"critic": {"init": "reward_model"}}, "critic: Value error, init reward_model needs reward_model_path"),
         ({"critic": {"lr": -1}}, "critic.lr: Input should be greater than 0"),
         ({"critic": {"adam_betas": [2, -1]}}, "critic.adam_betas: Value error, each beta must be in [0, 1)"),

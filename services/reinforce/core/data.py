@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +236,16 @@ class EncodedPrompts:
     skipped: int = 0
 
 
+class DataCursor(Protocol):
+    """What the trainer's feeder needs of a data loader (data.loader): PromptCursor, dali_prompts.DaliPromptCursor."""
+
+    def take_encoded(self, n: int, encode: Encoder) -> EncodedPrompts: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restored(self, state: dict[str, Any]) -> DataCursor: ...
+
+
 class PromptCursor:
     """An endless, deterministic stream of prompts: epoch after epoch, each a (seeded) permutation.
 
@@ -300,35 +310,47 @@ class PromptCursor:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_prompts": len(self.prompts),
-            "fingerprint": _fingerprint(self.prompts),
+            "fingerprint": prompts_fingerprint(self.prompts),
         }
 
     @classmethod
     def from_state(cls, prompts: list[str], seed: int, shuffle: bool, state: dict[str, Any]) -> PromptCursor:
         """A cursor at ``state``; refuses if the prompts, seed or shuffle differ from the saved run's."""
         cursor = cls(prompts, seed, shuffle)
-        _check_same(state, "seed", seed)
-        _check_same(state, "shuffle", shuffle)
-        _check_same(state, "num_prompts", len(cursor.prompts))
-        _check_same(state, "fingerprint", _fingerprint(cursor.prompts))
+        check_same(state, "seed", seed)
+        check_same(state, "shuffle", shuffle)
+        check_same(state, "num_prompts", len(cursor.prompts))
+        check_same(state, "fingerprint", prompts_fingerprint(cursor.prompts))
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < len(cursor.prompts):
             raise DataError(f"data cursor out of range: epoch {epoch}, index {index}")
         cursor.epoch, cursor.index = epoch, index
         return cursor
 
+    def restored(self, state: dict[str, Any]) -> PromptCursor:
+        """This cursor's prompts at a checkpoint's `state` (see :meth:`from_state`)."""
+        return PromptCursor.from_state(self.prompts, self.seed, self.shuffle, state)
+
     def _epoch_order(self) -> list[int]:
-        # Each epoch's permutation depends only on (seed, epoch): a resumed cursor rebuilds it exactly.
         if self._order_epoch != self.epoch:
-            self._order = list(range(len(self.prompts)))
-            if self.shuffle:
-                # A string seed is hashed with SHA-512: stable across Python versions and processes.
-                random.Random(f"reinforce-data:{self.seed}:{self.epoch}").shuffle(self._order)
+            self._order = epoch_order(len(self.prompts), self.seed, self.epoch, self.shuffle)
             self._order_epoch = self.epoch
         return self._order
 
 
-def _fingerprint(prompts: list[str]) -> str:
+def epoch_order(count: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The order in which an epoch visits prompts 0..count-1 (every loader's: data.loader default and dali).
+
+    It depends only on (seed, epoch): a resumed cursor rebuilds it exactly.
+    """
+    order = list(range(count))
+    if shuffle:
+        # A string seed is hashed with SHA-512: stable across Python versions and processes.
+        random.Random(f"reinforce-data:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def prompts_fingerprint(prompts: list[str]) -> str:
     digest = hashlib.sha256()
     for prompt in prompts:
         digest.update(prompt.encode())
@@ -338,7 +360,7 @@ def _fingerprint(prompts: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _check_same(state: dict[str, Any], key: str, value: Any) -> None:
+def check_same(state: dict[str, Any], key: str, value: Any) -> None:
     if key in state and state[key] != value:
         raise DataError(
             f"cannot resume the data cursor: {key} was {state[key]!r}, now {value!r} "

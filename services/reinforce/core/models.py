@@ -250,7 +250,7 @@ def response_logprobs(
     tokens: with a 49k vocabulary the prompt positions' logits would dominate time and memory.
     """
     log_softmax, targets, mask = _response_log_softmax(model, prompt_ids, response_ids, temperature)
-    return _padded_like(mask, log_softmax.gather(-1, targets[:, None]).squeeze(-1)), mask
+    return padded_like(mask, log_softmax.gather(-1, targets[:, None]).squeeze(-1)), mask
 
 
 def response_logprobs_and_entropy(
@@ -262,8 +262,8 @@ def response_logprobs_and_entropy(
     """(log-probs as :func:`response_logprobs`, the entropy H_t = - sum_v pi(v) log pi(v) of each response token's
     distribution, mask), all [B, T]; both differentiable when grad is enabled."""
     log_softmax, targets, mask = _response_log_softmax(model, prompt_ids, response_ids, temperature)
-    logprobs = _padded_like(mask, log_softmax.gather(-1, targets[:, None]).squeeze(-1))
-    entropy = _padded_like(mask, token_entropy(log_softmax))
+    logprobs = padded_like(mask, log_softmax.gather(-1, targets[:, None]).squeeze(-1))
+    entropy = padded_like(mask, token_entropy(log_softmax))
     return logprobs, entropy, mask
 
 
@@ -301,7 +301,7 @@ def token_entropy(log_softmax: torch.Tensor) -> torch.Tensor:
     return -(log_softmax.exp() * log_softmax).sum(-1)
 
 
-def _padded_like(mask: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+def padded_like(mask: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """Per-token values [N] in row-major order of the real tokens -> right-padded [B, T], 0 on padding."""
     out = torch.zeros(mask.shape, dtype=picked.dtype, device=mask.device)
     out[mask.bool()] = picked  # row-major order matches response_positions

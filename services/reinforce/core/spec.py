@@ -140,6 +140,12 @@ class DataSpec(_Section):
         description="A prompt longer than max_prompt_tokens: truncate keeps its last tokens (and BOS); skip "
         "takes the next prompt instead (metrics `data/truncated_prompts`, `data/skipped_long_prompts`).",
     )
+    loader: Literal["default", "dali"] = Field(
+        "default",
+        description="default: the trainer reads `prompts` (a file) and tokenizes as it feeds. dali: `prompts` is a "
+        "folder of pre-tokenized .npy shards written by `reinforce shard-prompts`, read with NVIDIA DALI's numpy "
+        "reader in the same seeded order (the `dali` extra); for millions of prompts.",
+    )
 
 
 # algorithm.loss_aggregation (trainer/algorithms/aggregation.py has the math).
@@ -325,8 +331,10 @@ class LoraSpec(_Section):
 class TrainingSpec(_Section):
     """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
 
-    backend: Literal["torch"] = Field(
-        "torch", description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks)."
+    backend: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks) or "
+        "megatron (Megatron-core GPTModel of a Llama policy with tensor parallelism; the `megatron` extra).",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
@@ -337,7 +345,24 @@ class TrainingSpec(_Section):
     )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
-    num_ranks: int = Field(1, ge=1, description="Data-parallel trainer processes (torchrun; gloo on CPU, NCCL on GPU).")
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        description="Trainer processes (torchrun; gloo on CPU, NCCL on GPU): data-parallel ranks x tensor_parallel x "
+        "pipeline_parallel.",
+    )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="backend megatron: processes each model replica is split over (Megatron tensor parallelism); "
+        "must divide num_ranks and the policy's attention heads, KV heads and MLP width.",
+    )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="backend megatron: pipeline stages. Only 1: Megatron's pipeline schedules allocate on CUDA "
+        "and the trainer does not drive them yet.",
+    )
     micro_batch_prompts: int = Field(
         2,
         ge=1,
@@ -371,6 +396,30 @@ class TrainingSpec(_Section):
         description="With data.validation_prompts: evaluate every this many steps, and always at the start and "
         "the end (0: only at the start and the end).",
     )
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: the replicas of the model, each reading its own share of the groups."""
+        return self.num_ranks // (self.tensor_parallel * self.pipeline_parallel)
+
+    @model_validator(mode="after")
+    def _ranks_lay_out(self) -> TrainingSpec:
+        if self.pipeline_parallel > 1:
+            raise ValueError(
+                "training.pipeline_parallel > 1 is not supported: Megatron-core's pipeline schedules need CUDA "
+                "(device='cuda' is hard-coded) and this trainer runs whole replicas (use tensor_parallel)"
+            )
+        if self.backend == "torch" and self.tensor_parallel > 1:
+            raise ValueError("training.tensor_parallel > 1 needs training.backend megatron")
+        if self.backend == "megatron" and self.lora is not None:
+            raise ValueError("training.lora is implemented on training.backend torch only")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.num_ranks % model_parallel:
+            raise ValueError(
+                f"training.num_ranks ({self.num_ranks}) must be a multiple of training.tensor_parallel x "
+                f"training.pipeline_parallel ({model_parallel}): data x tensor x pipeline ranks"
+            )
+        return self
 
 
 class ValidationSpec(_Section):
@@ -454,14 +503,21 @@ class RunSpec(_Section):
     @model_validator(mode="after")
     def _groups_split_evenly_across_ranks(self) -> RunSpec:
         t = self.training
-        if t.prompts_per_step % t.num_ranks:
+        if t.prompts_per_step % t.data_parallel:
             raise ValueError(
-                f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of training.num_ranks "
-                f"({t.num_ranks}): every rank trains the same number of whole prompt groups"
+                f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of the data-parallel ranks "
+                f"({t.data_parallel} = training.num_ranks / tensor_parallel / pipeline_parallel): every rank trains "
+                "the same number of whole prompt groups"
+            )
+        if t.backend == "megatron" and t.tensor_parallel > 1 and self.data.validation_prompts:
+            raise ValueError(
+                "data.validation_prompts with training.tensor_parallel > 1 is not supported yet: the validator "
+                "runs on the main rank alone, and a tensor-parallel forward needs every rank of the replica"
             )
         a = self.algorithm
         if a.name == "ppo":
             if t.num_ranks > 1:
+                # a tensor-parallel peer would be a second critic client: every critic step taken twice
                 raise ValueError("algorithm.name ppo trains with training.num_ranks 1 (one critic client)")
             if a.max_policy_lag > 0:
                 raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")

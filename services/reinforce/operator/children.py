@@ -10,8 +10,10 @@ For a run R in namespace N:
 - Deployment ``R-generator``: ``generation.num_generators`` replicas.
 - algorithm.name ppo: StatefulSet + Service ``R-critic`` and its PersistentVolumeClaim ``R-critic-data`` (the critic's
   initial model and checkpoints; the trainer checkpoints and restores it over HTTP).
-- StatefulSet + headless Service ``R-trainer``: one pod per ``training.num_ranks``; torchrun's rendezvous is
-  pod 0 through that Service.
+- StatefulSet + headless Service ``R-trainer``: one pod per model replica (``training.num_ranks`` /
+  ``training.tensor_parallel``), each running its replica's ``tensor_parallel`` ranks (tensor parallelism wants the
+  fast links inside a node; request that many GPUs per trainer pod); torchrun's rendezvous is pod 0 through that
+  Service.
 - NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods and the operator on any
   port, and from anywhere on their metrics ports only (Prometheus); nothing else reaches Redis or the trainer.
 
@@ -49,7 +51,7 @@ from reinforce.core.names import (
     REDIS_URL_ENV,
     REWARD_LIVE_PATH,
 )
-from reinforce.core.spec import _Section, dump_spec
+from reinforce.core.spec import TrainingSpec, _Section, dump_spec
 from reinforce.operator.resource import GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
 
 SPEC_DIR = "/etc/reinforce"
@@ -500,16 +502,23 @@ def trainer_command(run: Run) -> list[str]:
         stay_up=True,  # a StatefulSet restarts a container that exits; the operator scales the run to zero instead
         **({"critic_url": f"http://{run.host(COMPONENT_CRITIC)}:{p.critic}"} if run.ppo else {}),
     )
-    ranks = run.spec.training.num_ranks
-    if ranks == 1:
+    training = run.spec.training
+    if training.num_ranks == 1:
         return trainer
-    # One rank per pod; the pod's ordinal (the end of its name) is its node rank, so rank 0 is pod 0, which
-    # serves the weights and the metrics.
+    # One model replica per pod; the pod's ordinal (the end of its name) is its node rank, so rank 0 is on pod 0,
+    # which serves the weights and the metrics. torchrun numbers a node's processes consecutively: a replica's
+    # tensor-parallel ranks are consecutive global ranks, the layout Megatron and trainer/distributed.py expect.
     launcher = (
-        f"python -m torch.distributed.run --nnodes={ranks} --nproc-per-node=1 --node-rank=${{POD_NAME##*-}} "
+        f"python -m torch.distributed.run --nnodes={trainer_pods(training)} "
+        f"--nproc-per-node={training.tensor_parallel} --node-rank=${{POD_NAME##*-}} "
         f"--master-addr={trainer_pod_address(run, 0)} --master-port={p.rendezvous}"
     )
     return ["sh", "-c", f"exec {launcher} -m {' '.join(trainer[2:])}"]
+
+
+def trainer_pods(training: TrainingSpec) -> int:
+    """Trainer pods: one per model replica (data-parallel rank), holding its tensor-parallel ranks."""
+    return training.num_ranks // training.tensor_parallel
 
 
 def trainer_stateful_set(run: Run) -> dict[str, Any]:
@@ -524,7 +533,7 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
     )  # fmt: skip
     volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("data")}}]
     return _stateful_set(
-        run, "trainer", run.spec.training.num_ranks, _pod_template(run, "trainer", [container], volumes)
+        run, "trainer", trainer_pods(run.spec.training), _pod_template(run, "trainer", [container], volumes)
     )
 
 

@@ -51,6 +51,7 @@ from reinforce.operator.children import (
     children,
     generator_port,
     services_spec_yaml,
+    trainer_pods,
 )
 from reinforce.operator.resource import GROUP, PLURAL, VERSION, ReinforceRunSpec, parse_run_resource
 
@@ -237,7 +238,7 @@ def phase_of(
         return "Failed", "CrashLooping", f"more than restart.max_restarts={spec.restart.max_restarts}: {names}"
     if spec.suspend:
         return "Suspended", "Suspended", "spec.suspend is true: every component is scaled to zero"
-    needed = {"reward": 1, "trainer": spec.training.num_ranks, "generator": 1}
+    needed = {"reward": 1, "trainer": trainer_pods(spec.training), "generator": 1}
     if spec.algorithm.name == "ppo":
         needed[COMPONENT_CRITIC] = 1
     if spec.kubernetes.external_redis_secret is None:

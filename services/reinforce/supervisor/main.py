@@ -30,6 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from reinforce.core import launch
+from reinforce.core.dali_prompts import read_shard_index
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
@@ -451,11 +452,14 @@ def _run(args: argparse.Namespace) -> int:
     else:
         spec_file = Path(args.spec)
         spec = resolve_spec(load_spec(spec_file), spec_file)
-    # A bad prompt file fails now, naming file:line; so does a tracker whose extra is not installed.
+    # A bad prompt file (or shard folder) fails now, naming file:line; so does a tracker whose extra is not installed.
     for name in ("prompts", "validation_prompts"):
         if getattr(spec.data, name):
             try:
-                read_prompt_file(getattr(spec.data, name), spec.data.on_bad_line, spec.data.prompt_field)
+                if name == "prompts" and spec.data.loader == "dali":
+                    read_shard_index(Path(spec.data.prompts), spec.data)
+                else:
+                    read_prompt_file(getattr(spec.data, name), spec.data.on_bad_line, spec.data.prompt_field)
             except DataError as err:
                 raise SpecError(f"{spec_file}: data.{name}: {err}") from None
     try:

@@ -1,4 +1,8 @@
-"""Collecting rollout groups: one group per prompt of the step being trained, in prompt order."""
+"""Collecting rollout groups: one group per prompt of the step being trained, in prompt order.
+
+Each data-parallel rank's reader reads its share from the stream; with model parallelism it hands the groups
+(serialised protobuf records) to the other processes of its replica, which never read the stream themselves.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from collections.abc import Callable
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
 from reinforce.core.spec import RunSpec
+from reinforce.trainer.distributed import Ranks
 
 log = logging.getLogger("reinforce.trainer")
 
@@ -21,20 +26,29 @@ class GroupCollector:
         spec: RunSpec,
         queue: RolloutQueue,
         consumer: str,
-        world: int,
+        ranks: Ranks,
         prompt_of: Callable[[RolloutGroup], Prompt],
         stopping: threading.Event,
     ) -> None:
         self.spec = spec
         self.queue = queue
         self.consumer = consumer
-        self.world = world
+        self.ranks = ranks
         self.prompt_of = prompt_of
         self.stopping = stopping
         self.early: dict[str, tuple[str, RolloutGroup]] = {}  # groups of later steps that arrived early
         self.dropped_groups = 0
 
     def collect_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
+        """This data-parallel rank's groups of `step`, in prompt order, on every process of its replica (the entry
+        ids, for acknowledging, only on its reader)."""
+        entry_ids, groups = self.read_groups(step) if self.ranks.is_reader else ([], [])
+        if self.ranks.model_world == 1:
+            return entry_ids, groups
+        shared = self.ranks.share_with_model_peers([g.SerializeToString() for g in groups])
+        return entry_ids, [RolloutGroup.FromString(payload) for payload in shared]
+
+    def read_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
         """Wait for one group per prompt of `step`, in prompt order.
 
         Groups of later in-flight steps are kept for their turn (asynchronous mode); groups of trained steps
@@ -43,7 +57,7 @@ class GroupCollector:
         """
         # Prompt ids are "<step>-<index>"; each rank trains an equal share of the step's groups.
         order = {f"{step}-{i}": i for i in range(self.spec.training.prompts_per_step)}
-        share = self.spec.training.prompts_per_step // self.world
+        share = self.spec.training.prompts_per_step // self.ranks.world
         groups: dict[str, tuple[str, RolloutGroup]] = {pid: self.early.pop(pid) for pid in order if pid in self.early}
         while len(groups) < share:
             if self.stopping.is_set():

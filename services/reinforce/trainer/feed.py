@@ -6,7 +6,7 @@ import hashlib
 
 from transformers import PreTrainedTokenizerBase
 
-from reinforce.core.data import PromptCursor
+from reinforce.core.data import DataCursor
 from reinforce.core.models import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
@@ -23,7 +23,7 @@ def prompt_seed(run_seed: int, prompt_id: str) -> int:
 class PromptFeeder:
     """The data cursor and the steps whose prompts are enqueued but not yet trained (up to max_policy_lag + 1)."""
 
-    def __init__(self, spec: RunSpec, cursor: PromptCursor, tokenizer: PreTrainedTokenizerBase, queue: RolloutQueue):
+    def __init__(self, spec: RunSpec, cursor: DataCursor, tokenizer: PreTrainedTokenizerBase, queue: RolloutQueue):
         self.spec = spec
         self.cursor = cursor
         self.tokenizer = tokenizer

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from prometheus_client import start_http_server
 
-from reinforce.core.data import PromptCursor, read_prompt_file
+from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import load_tokenizer, materialize_policy
@@ -67,7 +67,12 @@ MAXED_METRICS = {
 
 
 class Trainer:
-    """Rank 0 (the main rank) also feeds prompts, publishes weights, checkpoints and writes the metrics."""
+    """Rank 0 (the main rank) also feeds prompts, publishes weights, checkpoints and writes the metrics.
+
+    With model parallelism (training.tensor_parallel) the processes of one data-parallel rank hold one replica
+    between them: each takes part in every forward, update, gather and checkpoint, but only the rank's reader
+    (Ranks.is_reader) touches its rollout groups in the stream.
+    """
 
     def __init__(
         self, spec: RunSpec, redis_url: str, ranks: Ranks | None = None, critic_url: str | None = None
@@ -87,13 +92,9 @@ class Trainer:
         queue = connect(redis_url, max_outage_s=spec.queue.max_outage_s, stopping=self.stopping)
         self.queue = RolloutQueue(queue, spec.name)
         self.queue.ensure_groups()
-        # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
-        prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
-        self.feeder = PromptFeeder(
-            spec, PromptCursor(prompts, spec.seed, spec.data.shuffle), self.tokenizer, self.queue
-        )
+        self.feeder = PromptFeeder(spec, open_prompt_cursor(spec), self.tokenizer, self.queue)
         self.collector = GroupCollector(
-            spec, self.queue, self.consumer, self.ranks.world, self.feeder.prompt_of, self.stopping
+            spec, self.queue, self.consumer, self.ranks, self.feeder.prompt_of, self.stopping
         )
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
         self.validator: Validator | None = None
@@ -110,10 +111,7 @@ class Trainer:
         checkpoints = list_checkpoints(self.paths.checkpoints)
         if checkpoints:
             state = load_checkpoint(checkpoints[-1], self.backend)
-            cursor = self.feeder.cursor
-            self.feeder.cursor = PromptCursor.from_state(
-                cursor.prompts, self.spec.seed, self.spec.data.shuffle, state.cursor
-            )
+            self.feeder.cursor = self.feeder.cursor.restored(state.cursor)
             self.step = state.step
             log.info("resumed from %s at step %d", checkpoints[-1], self.step)
         self.algorithm.restore(self.step)
@@ -137,6 +135,8 @@ class Trainer:
     def discard_unfinished_rollouts(self) -> None:
         """Groups delivered to an earlier life of this trainer but not trained: the steps they belong to are
         redone from the checkpoint, with the same prompts and seeds, so they are simply dropped."""
+        if not self.ranks.is_reader:
+            return
         stale = self.queue.read_rollouts(self.consumer, count=100_000, block_ms=0, pending=True)
         if stale:
             self.queue.ack_rollouts([entry_id for entry_id, _ in stale])
@@ -145,21 +145,21 @@ class Trainer:
             self.validator.discard_pending()
 
     def run(self) -> None:
-        if self.ranks.is_main:
-            self.publish_weights()
-            # The start's evaluation (step 0's row); a resumed run evaluated its checkpoint's version already.
-            if self.validator is not None and self.step == 0 and not _has_row(self.paths.metrics, 0):
-                self.feeder.fill_pipeline(0)  # the first step's generation overlaps the evaluation
-                self.validator.start(0)
-                self.record(0, self.validator.finish(0))
+        self.publish_weights()
+        # The start's evaluation (step 0's row; the validator is the main rank's); a resumed run evaluated its
+        # checkpoint's version already.
+        if self.validator is not None and self.step == 0 and not _has_row(self.paths.metrics, 0):
+            self.feeder.fill_pipeline(0)  # the first step's generation overlaps the evaluation
+            self.validator.start(0)
+            self.record(0, self.validator.finish(0))
         while self.step < self.spec.training.steps and not self.stopping.is_set():
             self.train_step()
             last = self.step == self.spec.training.steps
-            if self.ranks.is_main and (self.step % self.spec.training.checkpoint_every == 0 or last):
+            if self.step % self.spec.training.checkpoint_every == 0 or last:
                 self.checkpoint()
                 if self.trackers is not None:
                     self.trackers.durable(self.step)  # rows a resume will never redo
-        if self.step == self.spec.training.steps and self.ranks.is_main:
+        if self.step == self.spec.training.steps:
             self.finish()
         if self.trackers is not None:
             self.trackers.close()
@@ -178,8 +178,14 @@ class Trainer:
         log.info("serving weights at %s", self.weights_base_url)
 
     def publish_weights(self) -> float:
+        """Every process of the first data-parallel rank calls it (a sharded policy is gathered); the main one
+        writes the version."""
         start = time.perf_counter()
+        if self.ranks.rank != 0:
+            return 0.0
         tensors, metadata = self.backend.weights_to_publish()
+        if not self.ranks.is_main:
+            return 0.0
         weights = publish(
             tensors, self.paths.weights, self.step, self.spec.weights.keep_versions, self.weights_base_url, metadata
         )
@@ -187,15 +193,21 @@ class Trainer:
         return time.perf_counter() - start
 
     def checkpoint(self) -> None:
+        """Every process calls it: a sharded backend writes a part from each."""
         # the cursor as it was before the next untrained step drew its prompts: a resume redraws them
         cursor = self.feeder.cursor_state_before(self.step)
         state = TrainerState(step=self.step, cursor=cursor, weight_version=self.step)
-        self.algorithm.save(self.step)  # first: a trainer checkpoint always has the algorithm's beside it
-        path = save_checkpoint(self.paths.checkpoints, state, self.backend, self.spec.training.keep_checkpoints)
+        if self.ranks.is_main:
+            self.algorithm.save(self.step)  # first: a trainer checkpoint always has the algorithm's beside it
+        keep = self.spec.training.keep_checkpoints
+        path = save_checkpoint(self.paths.checkpoints, state, self.backend, keep, self.ranks)
         log.info("checkpoint %s", path)
 
     def finish(self) -> None:
-        self.backend.save_final(self.paths.final_model)
+        if self.ranks.rank == 0:
+            self.backend.save_final(self.paths.final_model)  # the first data-parallel rank's processes gather
+        if not self.ranks.is_main:
+            return
         self.tokenizer.save_pretrained(self.paths.final_model)
         plot_metrics(self.paths.metrics, self.paths.plot)
         log.info("final model in %s", self.paths.final_model)
@@ -211,7 +223,7 @@ class Trainer:
         values = self.algorithm.update(batch, self.backend, version=self.step)
         trained = self.step
         self.step += 1
-        values["timers/weight_publish"] = self.publish_weights() if self.ranks.is_main else 0.0
+        values["timers/weight_publish"] = self.publish_weights()
         evaluate = self.validator is not None and self.validator.due(self.step)
         if evaluate:
             # the next step's prompts first: generators sample them while this rank waits for the evaluation
@@ -219,8 +231,9 @@ class Trainer:
                 self.feeder.fill_pipeline(self.step)
             self.validator.start(self.step)
         self.ranks.barrier()
-        # Acknowledge only once the step's effect (the new weights) is written.
-        self.queue.ack_rollouts(entry_ids)
+        # Acknowledge only once the step's effect (the new weights) is written; the reader holds the entry ids.
+        if self.ranks.is_reader:
+            self.queue.ack_rollouts(entry_ids)
         indices = self.ranks.gather_ints([_prompt_index(g) for g in groups], len(groups))
         values.update(self.rollout_stats(batch, rollout_time, trained))
         values.update(self.feeder.trained(trained))
@@ -273,6 +286,17 @@ class Trainer:
         }
 
 
+def open_prompt_cursor(spec: RunSpec) -> DataCursor:
+    """The data cursor of data.loader: over the prompt file (default), or over pre-tokenized shards (dali)."""
+    if spec.data.loader == "dali":
+        from reinforce.core.dali_prompts import DaliPromptCursor
+
+        return DaliPromptCursor(spec.data.prompts, spec.seed, spec.data.shuffle, spec.data)
+    # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
+    prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
+    return PromptCursor(prompts, spec.seed, spec.data.shuffle)
+
+
 def _prompt_index(group: RolloutGroup) -> int:
     return int(group.prompt_id.rsplit("-", 1)[1])
 
@@ -321,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per critic request
     configure_threads()
-    ranks = Ranks.from_environment()
     spec = load_spec(args.spec)
+    ranks = Ranks.from_environment(spec.training.tensor_parallel * spec.training.pipeline_parallel)
     trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)
     if spec.weights.transport == "http" and ranks.is_main:
         trainer.serve_weights(args.host, args.weights_port, args.advertise_host, os.environ.get(CONTROL_TOKEN_ENV))

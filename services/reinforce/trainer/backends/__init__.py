@@ -15,4 +15,12 @@ def build_backend(training: TrainingSpec, policy_dir: Path, ranks: Ranks) -> Tra
         from reinforce.trainer.backends.torch_backend import TorchBackend
 
         return TorchBackend(training, policy_dir, ranks)
+    if training.backend == "megatron":
+        try:
+            from reinforce.trainer.backends.megatron.backend import MegatronBackend
+        except ImportError as err:
+            raise RuntimeError(
+                f"training.backend megatron needs megatron-core: pip install 'reinforce-k8s[megatron]' ({err})"
+            ) from None
+        return MegatronBackend(training, policy_dir, ranks)
     raise ValueError(f"training.backend {training.backend!r} is not available")

@@ -1,6 +1,7 @@
 """The trainer-backend seam: what the algorithm needs from whatever holds the policy and its optimizer.
 
-Implementations, chosen by `training.backend`: `torch` (torch_backend.py: a Hugging Face model, AdamW). A backend
+Implementations, chosen by `training.backend`: `torch` (torch_backend.py: a Hugging Face model, AdamW) and
+`megatron` (megatron/backend.py: Megatron-core GPTModel shards, tensor parallelism). A backend
 computes log-probs of given tokens (the policy's, differentiable, and the frozen reference's), takes one
 optimisation step from the gradients the algorithm's loss left, gives the model to publish in Hugging Face form,
 and saves and loads its checkpoint state.
@@ -30,6 +31,9 @@ def lr_factor(training: TrainingSpec, step: int) -> float:
 
 class TrainerBackend(ABC):
     name: ClassVar[str]
+    # True: the state is split over the processes, each saves and loads its part (save_state is called on every
+    # process); False: the main process saves the whole state.
+    sharded: ClassVar[bool] = False
 
     @abstractmethod
     def policy_logprobs(
@@ -57,8 +61,9 @@ class TrainerBackend(ABC):
         """Sum gradients over data-parallel ranks, clip, step the optimizer and the schedule: (grad norm, lr)."""
 
     @abstractmethod
-    def publishable_model(self) -> torch.nn.Module:
-        """The policy as the Hugging Face model whose safetensors the generators load."""
+    def publishable_model(self) -> torch.nn.Module | None:
+        """The policy as the Hugging Face model whose safetensors the generators load (None on a process that
+        does not publish: a sharded backend gathers it to the main process)."""
 
     def weights_to_publish(self) -> tuple[torch.nn.Module | dict[str, torch.Tensor], dict[str, str]]:
         """(what a weight version holds, safetensors metadata): the whole policy by default; LoRA: the adapters."""
