@@ -165,6 +165,8 @@ def test_generators_run_the_image_of_their_engine(engine: str, image: str) -> No
     objects = {(o["kind"], o["metadata"]["name"]): o for o in children(Run("tiny", "ns", "uid-1", spec, config))}
     generator = objects[("Deployment", "tiny-generator")]["spec"]["template"]["spec"]["containers"][0]
     assert generator["image"] == image
+    # OpenMP threads sleep while they wait: a pod's cores may be shared with a busy neighbour
+    assert {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"} in generator["env"]
     assert objects[("StatefulSet", "tiny-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"] == (
         "reinforce-trainer:0.1.0"
     )

@@ -52,6 +52,7 @@ from reinforce.core.names import (
     REWARD_LIVE_PATH,
 )
 from reinforce.core.spec import TrainingSpec, _Section, dump_spec
+from reinforce.core.threads import OPENMP_ENVIRONMENT
 from reinforce.operator.resource import GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
 
 SPEC_DIR = "/etc/reinforce"
@@ -287,6 +288,7 @@ def _service_env(run: Run) -> list[dict[str, Any]]:
         _env_from_secret(CONTROL_TOKEN_ENV, run.child("secrets"), "control-token"),
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *({"name": name, "value": value} for name, value in OPENMP_ENVIRONMENT.items()),
     ]
 
 

@@ -48,7 +48,7 @@ from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
-from reinforce.core.threads import THREADS_ENV, thread_count
+from reinforce.core.threads import OPENMP_ENVIRONMENT, THREADS_ENV, thread_count
 from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 
@@ -189,7 +189,7 @@ class Supervisor:
         self.spec = spec
         self.paths = RunPaths(spec.resolved_run_dir())
         self.components: list[Component] = []
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env = {**OPENMP_ENVIRONMENT, **os.environ, "PYTHONUNBUFFERED": "1"}  # a user's own OMP settings win
         self.scrape_targets: list[dict] = []
         # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
         self.weights_port = free_port() if spec.weights.transport == "http" else None
