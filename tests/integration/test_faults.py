@@ -128,7 +128,9 @@ def test_killed_critic_is_restarted_and_the_ppo_run_ends_exactly(tmp_path, tiny_
     assert proc.returncode == 0, stderr[-3000:]
     assert "component critic exited with code -9; restart 1 of 3" in stderr
     assert "component trainer exited with code 1; restart 1 of 3" in stderr
-    assert "restarted from an older checkpoint" in (RunPaths(run_dir).logs / "trainer.log").read_text()
+    trainer_log = (RunPaths(run_dir).logs / "trainer.log").read_text()
+    # the critic's lost steps, or a /v1/train answer the kill cut off: which one depends on when the kill lands
+    assert "CriticError" in trainer_log, trainer_log[-3000:]
     assert_each_step_trained_once(run_dir, STEPS)
     diff = max_weight_difference(tiny_ppo_baseline, run_dir)
     assert diff < 1e-6, f"critic killed after step {killed_at}: weights differ by {diff}"
