@@ -21,11 +21,11 @@ import uvicorn
 import yaml
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
+from reinforce.core.critic_api import Minibatch
+from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
-from reinforce.critic.api import Minibatch
-from reinforce.critic.client import CriticClient, CriticError
 from reinforce.critic.server import Critic, CriticConfig, create_app, list_checkpoints, main
 from reinforce.critic.value_model import load_value_model, response_values
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from reinforce.core.critic_api import CheckpointResponse, Minibatch, ReadyResponse, TrainResponse
+from reinforce.core.critic_client import CriticError
 from reinforce.core.metrics import STEP_METRICS
 from reinforce.core.models import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import PolicySpec, RandomInit, RunSpec, parse_spec
-from reinforce.critic.api import CheckpointResponse, Minibatch, ReadyResponse, TrainResponse
-from reinforce.critic.client import CriticError
 from reinforce.trainer.algorithms.ppo_trainer import PPO
 from reinforce.trainer.algorithms.reinforce import Reinforce
 from reinforce.trainer.backends.torch_backend import TorchBackend

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from reinforce.core.models import token_entropy
+from reinforce.critic.value_model import critic_loss
 from reinforce.trainer.algorithms.aggregation import LossNormalizer
 from reinforce.trainer.algorithms.ppo import (
-    critic_loss,
     generalized_advantages,
     masked_mean_var,
     masked_whiten,

@@ -1,9 +1,12 @@
 """Trainer pieces that need no running services: the LR schedule, step batches, checkpoints, weights."""
 
+import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
@@ -81,6 +84,25 @@ def test_weights_round_trip_and_corruption_is_refused(tmp_path):
     with pytest.raises(WeightError, match="sha256"):
         load_verified(module_loader(target), tampered, WeightSources(tmp_path))
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_weights_publish_in_the_generators_dtype(tmp_path):
+    """bfloat16 for a bfloat16 engine: half the bytes, every tensor rounded as the engine's own cast rounds it,
+    the names save_model writes (a tied embedding once, as lm_head.weight), the digest of the bytes on disk."""
+    source = tiny_model(0)
+    full = publish(source, tmp_path / "fp32", version=1)
+    half = publish(source, tmp_path / "bf16", version=1, dtype=torch.bfloat16)
+    with safe_open(full.uri, "pt") as f32, safe_open(half.uri, "pt") as f16:
+        assert sorted(f16.keys()) == sorted(f32.keys())
+        assert "lm_head.weight" in f16.keys() and "model.embed_tokens.weight" not in f16.keys()  # noqa: SIM118
+        for name in f16.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            assert f16.get_tensor(name).dtype == torch.bfloat16
+            assert torch.equal(f16.get_tensor(name), f32.get_tensor(name).to(torch.bfloat16))
+    assert half.num_bytes < 0.6 * full.num_bytes
+    assert half.sha256 == hashlib.sha256(Path(half.uri).read_bytes()).hexdigest()
+    target = tiny_model(1).to(torch.bfloat16)
+    load_verified(module_loader(target), half, WeightSources(tmp_path / "bf16"))
+    assert same_weights(source.to(torch.bfloat16), target)
 
 
 def test_only_recent_weight_versions_are_kept(tmp_path):

@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 import httpx
 import torch
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import load_model, save
 
 from reinforce.core.names import LOCAL_HOST
 from reinforce.core.records_pb2 import WeightVersion
@@ -112,22 +112,27 @@ def publish(
     keep: int = 3,
     base_url: str | None = None,
     metadata: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> WeightVersion:
     """Write version `version` atomically (readers never see a partial file) and prune old versions.
 
-    The uri is the file's absolute path, or `{base_url}/v1/weights/{file}` when the trainer serves the folder
-    with a WeightServer (see WeightServer.base_url).
+    `dtype` casts every floating-point tensor: the generators' precision, so a bfloat16 engine's weights travel,
+    hash and load in half the bytes. Casting here or in the engine rounds the same way (to nearest even), so what
+    the generators serve does not change. The uri is the file's absolute path, or `{base_url}/v1/weights/{file}`
+    when the trainer serves the folder with a WeightServer (see WeightServer.base_url).
     """
     weights_dir.mkdir(parents=True, exist_ok=True)
     path = weight_path(weights_dir, version)
     tmp = path.with_suffix(".tmp")
-    # save_model (not save_file) because tied embeddings share storage, which save_file refuses.
-    meta = {"version": str(version), **(metadata or {})}
-    if isinstance(model, dict):  # named tensors (LoRA adapters: no shared storage)
-        save_file({k: v.detach().contiguous() for k, v in model.items()}, str(tmp), metadata=meta)
-    else:
-        save_model(model, str(tmp), metadata=meta)
-    digest = sha256_of(tmp)
+    tensors = distinct_tensors(model) if isinstance(model, torch.nn.Module) else model
+    if dtype is not None:
+        tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    # serialised and hashed in memory: the file is written once and never read back
+    data = save(
+        {name: t.detach().contiguous() for name, t in tensors.items()}, {"version": str(version), **(metadata or {})}
+    )
+    digest = hashlib.sha256(data).hexdigest()
+    tmp.write_bytes(data)
     os.replace(tmp, path)
     _prune(weights_dir, keep_from=version - keep + 1)
     uri = f"{base_url.rstrip('/')}{WEIGHTS_ROUTE}{path.name}" if base_url else str(path.resolve())
@@ -135,9 +140,20 @@ def publish(
         version=version,
         uri=uri,
         sha256=digest,
-        num_bytes=path.stat().st_size,
+        num_bytes=len(data),
         published_at=time.time(),
     )
+
+
+def distinct_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict with tensors that alias one another (tied embeddings) once, under the first of their
+    names in sorted order: the names safetensors' save_model keeps (lm_head.weight for a tied embedding)."""
+    state = model.state_dict()
+    first_name: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for name in sorted(state):
+        tensor = state[name]
+        first_name.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), name)
+    return {name: state[name] for name in first_name.values()}
 
 
 def _prune(weights_dir: Path, keep_from: int) -> None:

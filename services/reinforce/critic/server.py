@@ -52,13 +52,7 @@ from pydantic import BaseModel, ValidationError
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
 
-from reinforce.core.metrics import CriticMetrics
-from reinforce.core.models import materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_PORT, HEALTH_PATH, METRICS_PATH, READY_PATH
-from reinforce.core.run_dir import RunPaths
-from reinforce.core.spec import CriticSpec, RunSpec, load_spec
-from reinforce.core.threads import configure_threads
-from reinforce.critic.api import (
+from reinforce.core.critic_api import (
     CHECKPOINT_PATH,
     RESTORE_PATH,
     TRAIN_PATH,
@@ -73,8 +67,13 @@ from reinforce.critic.api import (
     ValuesRequest,
     ValuesResponse,
 )
-from reinforce.critic.value_model import load_value_model, response_values
-from reinforce.trainer.algorithms.ppo import critic_loss
+from reinforce.core.metrics import CriticMetrics
+from reinforce.core.models import adamw, materialize_policy
+from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_PORT, HEALTH_PATH, METRICS_PATH, READY_PATH
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import CriticSpec, RunSpec, load_spec
+from reinforce.core.threads import configure_threads
+from reinforce.critic.value_model import critic_loss, load_value_model, response_values
 
 log = logging.getLogger("reinforce.critic")
 Body = TypeVar("Body", bound=BaseModel)
@@ -205,9 +204,7 @@ class Critic:
         c, optim = self.config, self.config.critic
         torch.manual_seed(c.seed)
         self.model = load_value_model(c.model, optim.init).to(c.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.adam_betas, weight_decay=optim.weight_decay
-        )
+        self.optimizer = adamw(self.model.parameters(), optim.lr, optim.adam_betas, optim.weight_decay)
         self.train_steps = 0
         self.checkpoint_step: int | None = None
         self.metrics.train_steps.set(0)

@@ -15,6 +15,7 @@ the policy is TRL's and OpenRLHF's default):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -95,3 +96,45 @@ def response_values(
     values = torch.zeros(mask.shape, dtype=picked.dtype, device=device)
     values[mask.bool()] = picked  # row-major order matches response_positions
     return values, mask
+
+
+# ---- the loss the critic trains on (PPO's L_critic, trainer/algorithms/ppo.py) --------------------------------
+@dataclass(frozen=True)
+class CriticLoss:
+    """L_critic (differentiable) and the fraction of tokens whose clipped error won the max (detached)."""
+
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor
+
+
+def critic_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    value_clip: float,
+    num_tokens: int | None = None,
+) -> CriticLoss:
+    """L_critic = (1/N) sum_t mask_t * 0.5 * max((V - R)^2, (V^clip - R)^2) of [B, T] values (differentiable),
+    with V^clip = V_old + clip(V - V_old, -eps_v, eps_v), old_values V_old and returns R.
+
+    value_clip is eps_v; 0 (or less) turns the clipping off, as NeMo-Aligner's loss_clip_val does. N is num_tokens
+    (the whole minibatch's, so that micro-batches add up to its gradient) or this call's own token count.
+    """
+    returns, old_values = returns.detach(), old_values.detach()
+    error = (values - returns).square()
+    if value_clip > 0:
+        clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        clipped_error = (clipped_values - returns).square()
+        worst = torch.maximum(error, clipped_error)
+        clip_fraction = _token_mean((clipped_error > error).detach().to(values.dtype), mask, None)
+    else:
+        worst = error
+        clip_fraction = torch.zeros((), dtype=values.dtype, device=values.device)
+    return CriticLoss(0.5 * _token_mean(worst, mask, num_tokens), clip_fraction)
+
+
+def _token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: int | None) -> torch.Tensor:
+    mask = mask.bool()
+    count = int(mask.sum()) if num_tokens is None else num_tokens
+    return torch.where(mask, values, 0.0).sum() / max(count, 1)

@@ -23,6 +23,7 @@ from prometheus_client import start_http_server
 
 from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
 from reinforce.core.durable import write_text_atomically
+from reinforce.core.lora import LORA_FORMAT
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
@@ -186,8 +187,16 @@ class Trainer:
         tensors, metadata = self.backend.weights_to_publish()
         if not self.ranks.is_main:
             return 0.0
+        # whole weights travel in the generators' precision; LoRA adapters (a few MB) as they were trained
+        dtype = None if metadata.get("format") == LORA_FORMAT else getattr(torch, self.spec.generation.resolved_dtype())
         weights = publish(
-            tensors, self.paths.weights, self.step, self.spec.weights.keep_versions, self.weights_base_url, metadata
+            tensors,
+            self.paths.weights,
+            self.step,
+            self.spec.weights.keep_versions,
+            self.weights_base_url,
+            metadata,
+            dtype,
         )
         self.queue.publish_weights(weights)
         return time.perf_counter() - start

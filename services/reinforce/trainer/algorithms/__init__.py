@@ -17,7 +17,7 @@ def build_algorithm(spec: RunSpec, ranks: Ranks, critic_url: str | None = None) 
 
         return Reinforce(spec, ranks)
     if spec.algorithm.name == "ppo":
-        from reinforce.critic.client import CriticClient
+        from reinforce.core.critic_client import CriticClient
         from reinforce.trainer.algorithms.ppo_trainer import PPO
 
         if critic_url is None:

@@ -21,7 +21,8 @@ the n real tokens of each row.
 
 N is the number of response tokens in the whole (mini)batch: the losses are masked token means, and passing the
 batch's N to each micro-batch makes gradient accumulation add up to exactly the full-batch gradient. L_clip and H
-follow `algorithm.loss_aggregation` (token_mean above; aggregation.py); L_critic is always the token mean.
+follow `algorithm.loss_aggregation` (token_mean above; aggregation.py); L_critic is always the token mean, and the
+critic service computes it (critic/value_model.py critic_loss).
 
 References, NeMo-Aligner (github.com/NVIDIA/NeMo-Aligner):
     r_t               utils/ppo_utils.py calculate_ppo_rewards (the score at index response_length - 2 of its
@@ -116,11 +117,10 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: S
     return torch.where(mask.bool(), (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
-def _token_mean(values: Tensor, mask: Tensor, num_tokens: int | None) -> Tensor:
-    """sum over unmasked entries / N, N = num_tokens or (None) this tensor's own token count."""
+def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """The mean over unmasked entries (a metric of this call's tokens)."""
     mask = mask.bool()
-    count = int(mask.sum()) if num_tokens is None else num_tokens
-    return torch.where(mask, values, 0.0).sum() / max(count, 1)
+    return torch.where(mask, values, 0.0).sum() / max(int(mask.sum()), 1)
 
 
 @dataclass(frozen=True)
@@ -160,40 +160,12 @@ def ppo_policy_loss(
     entropy = None
     if entropies is not None:
         loss = loss - entropy_bonus * normalizer.reduce(entropies, mask)
-        entropy = _token_mean(entropies.detach(), mask, None)
+        entropy = _token_mean(entropies.detach(), mask)
     return PolicyLoss(
         loss=loss,
-        ppo_ratio=_token_mean(ratio.detach(), mask, None),
-        ppo_ratio_clamped=_token_mean(ratio_clamped.detach(), mask, None),
+        ppo_ratio=_token_mean(ratio.detach(), mask),
+        ppo_ratio_clamped=_token_mean(ratio_clamped.detach(), mask),
         # rho > 1 + eps with A > 0, or rho < 1 - eps with A < 0 (TRL's clip_ratio/region_mean)
-        clip_fraction=_token_mean((clipped > unclipped).detach().to(ratio.dtype), mask, None),
+        clip_fraction=_token_mean((clipped > unclipped).detach().to(ratio.dtype), mask),
         entropy=entropy,
     )
-
-
-@dataclass(frozen=True)
-class CriticLoss:
-    """L_critic (differentiable) and the fraction of tokens whose clipped error won the max (detached)."""
-
-    loss: Tensor
-    clip_fraction: Tensor
-
-
-def critic_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, value_clip: float, num_tokens: int | None = None
-) -> CriticLoss:
-    """The clipped value loss of [B, T] values (differentiable), old_values V_old and returns R.
-
-    value_clip is eps_v; 0 (or less) turns the clipping off, as NeMo-Aligner's loss_clip_val does.
-    """
-    returns, old_values = returns.detach(), old_values.detach()
-    error = (values - returns).square()
-    if value_clip > 0:
-        clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
-        clipped_error = (clipped_values - returns).square()
-        worst = torch.maximum(error, clipped_error)
-        clip_fraction = _token_mean((clipped_error > error).detach().to(values.dtype), mask, None)
-    else:
-        worst = error
-        clip_fraction = torch.zeros((), dtype=values.dtype, device=values.device)
-    return CriticLoss(0.5 * _token_mean(worst, mask, num_tokens), clip_fraction)

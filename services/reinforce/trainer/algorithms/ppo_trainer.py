@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from reinforce.core.critic_api import Minibatch
+from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.spec import RunSpec
-from reinforce.critic.api import Minibatch
-from reinforce.critic.client import CriticClient, CriticError
 from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, TokenStats
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards

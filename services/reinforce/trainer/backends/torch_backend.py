@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
-from reinforce.core.models import load_policy, response_logprobs, response_logprobs_and_entropy
+from reinforce.core.models import adamw, load_policy, response_logprobs, response_logprobs_and_entropy
 from reinforce.core.spec import LoraSpec, TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.distributed import Ranks
@@ -40,9 +40,7 @@ class TorchBackend(TrainerBackend):
             # The reference is always the initial policy, also after a resume.
             self.reference = load_policy(policy_dir).requires_grad_(False).to(self.compute_dtype)
         t = training
-        self.optimizer = torch.optim.AdamW(
-            self.trainable_parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
-        )
+        self.optimizer = adamw(self.trainable_parameters(), t.lr, t.adam_betas, t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
 
     def autocast(self) -> contextlib.AbstractContextManager:

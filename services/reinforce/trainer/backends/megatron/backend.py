@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from reinforce.core.models import load_policy
+from reinforce.core.models import adamw, load_policy
 from reinforce.core.spec import TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.backends.megatron.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -59,9 +59,7 @@ class MegatronBackend(TrainerBackend):
         # The HF model the gathered weights are written through, on the one process that publishes.
         self.hf_model: PreTrainedModel | None = load_policy(policy_dir) if ranks.is_main else None
         t = training
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
-        )
+        self.optimizer = adamw(self.policy.parameters(), t.lr, t.adam_betas, t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
 
     def policy_logprobs(

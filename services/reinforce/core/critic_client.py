@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import httpx
 from pydantic import BaseModel
 
-from reinforce.core.names import READY_PATH
-from reinforce.critic.api import (
+from reinforce.core.critic_api import (
     CHECKPOINT_PATH,
     RESTORE_PATH,
     TRAIN_PATH,
@@ -30,8 +29,9 @@ from reinforce.critic.api import (
     ValuesRequest,
     ValuesResponse,
 )
+from reinforce.core.names import READY_PATH
 
-log = logging.getLogger("reinforce.critic.client")
+log = logging.getLogger("reinforce.core.critic_client")
 
 
 class CriticError(RuntimeError):
