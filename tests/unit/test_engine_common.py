@@ -19,6 +19,7 @@ from reinforce.generator.engines.common import (
     checkpoint_shapes,
     engine_names,
     eos_token_ids,
+    per_sample_requests,
     policy_files,
     read_checkpoint,
     sample_seeds,
@@ -83,6 +84,15 @@ def test_stop_prefix_is_the_shortest_prefix_containing_a_stop_string() -> None:
     assert stop_prefix(ids, decode, [" c"]) == 5  # spans two tokens
     assert stop_prefix(ids, decode, ["cc"]) is None
     assert stop_prefix(ids, decode, []) is None
+
+
+def test_per_sample_requests_repeat_each_prompt_with_its_own_seeds_and_group_the_answers() -> None:
+    batch = per_sample_requests([[1, 2], [3]], [5, 6], num_samples=3, max_new_tokens=2, max_len=8)
+    assert batch.prompts == [[1, 2], [1, 2], [1, 2], [3], [3], [3]]
+    assert batch.seeds == sample_seeds(5, 3) + sample_seeds(6, 3)
+    assert batch.grouped(list("abcdef")) == [["a", "b", "c"], ["d", "e", "f"]]
+    with pytest.raises(ValueError, match="exceeds"):
+        per_sample_requests([[1, 2, 3]], [0], num_samples=2, max_new_tokens=6, max_len=8)
 
 
 def test_check_prompts() -> None:

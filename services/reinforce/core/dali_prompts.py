@@ -32,6 +32,7 @@ from reinforce.core.data import (
     EncodedPrompts,
     Encoder,
     check_same,
+    cursor_state,
     epoch_order,
     prompts_fingerprint,
     read_prompt_file,
@@ -120,14 +121,7 @@ class DaliPromptCursor:
 
     def state(self) -> dict[str, Any]:
         """The same cursor state as PromptCursor's over the same prompts (a checkpoint reads either)."""
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_prompts": self.index_record["count"],
-            "fingerprint": self.index_record["fingerprint"],
-        }
+        return cursor_state(self, self.index_record["count"], self.index_record["fingerprint"])
 
     def restored(self, state: dict[str, Any]) -> DaliPromptCursor:
         return DaliPromptCursor(

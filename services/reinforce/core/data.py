@@ -239,11 +239,28 @@ class EncodedPrompts:
 class DataCursor(Protocol):
     """What the trainer's feeder needs of a data loader (data.loader): PromptCursor, dali_prompts.DaliPromptCursor."""
 
+    epoch: int
+    index: int  # the position within the epoch
+    seed: int
+    shuffle: bool
+
     def take_encoded(self, n: int, encode: Encoder) -> EncodedPrompts: ...
 
     def state(self) -> dict[str, Any]: ...
 
     def restored(self, state: dict[str, Any]) -> DataCursor: ...
+
+
+def cursor_state(cursor: DataCursor, num_prompts: int, fingerprint: str) -> dict[str, Any]:
+    """A cursor's checkpointed state: its position and what that position means (the prompts, seed and order)."""
+    return {
+        "epoch": cursor.epoch,
+        "index": cursor.index,
+        "seed": cursor.seed,
+        "shuffle": cursor.shuffle,
+        "num_prompts": num_prompts,
+        "fingerprint": fingerprint,
+    }
 
 
 class PromptCursor:
@@ -304,14 +321,7 @@ class PromptCursor:
 
     def state(self) -> dict[str, Any]:
         """JSON-serialisable cursor state, with what it depends on (checked by :meth:`from_state`)."""
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_prompts": len(self.prompts),
-            "fingerprint": prompts_fingerprint(self.prompts),
-        }
+        return cursor_state(self, len(self.prompts), prompts_fingerprint(self.prompts))
 
     @classmethod
     def from_state(cls, prompts: list[str], seed: int, shuffle: bool, state: dict[str, Any]) -> PromptCursor:

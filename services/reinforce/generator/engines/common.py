@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from reinforce.generator.engines.base import SampledSequence
 
 # Llama-family names (Llama, SmolLM2, Mistral, Qwen2): the families the project trains.
 EMBEDDING = "model.embed_tokens.weight"
@@ -112,6 +115,33 @@ def stop_prefix(token_ids: list[int], decode: Callable[[list[int]], str], stop_s
     # together with the next one.
     return next(
         (n for n in range(1, len(token_ids) + 1) if any(s in decode(token_ids[:n]) for s in stop_strings)), None
+    )
+
+
+@dataclass(frozen=True)
+class PerSampleRequests:
+    """A batch as one request per sample, the samples of a prompt adjacent."""
+
+    num_samples: int  # k
+    prompts: list[list[int]]  # each prompt's token ids, k times
+    seeds: list[int]  # each sample's own seed
+
+    def grouped(self, sequences: list[SampledSequence]) -> list[list[SampledSequence]]:
+        """The engine's answers, one per request, as each prompt's k samples."""
+        k = self.num_samples
+        return [sequences[i : i + k] for i in range(0, len(sequences), k)]
+
+
+def per_sample_requests(
+    prompts: list[list[int]], seeds: list[int], num_samples: int, max_new_tokens: int, max_len: int
+) -> PerSampleRequests:
+    """Checked prompts (check_prompts) as one request per sample, each seeded by `sample_seeds`: an engine's n=k
+    would seed sample i with seed + i, so prompts whose seeds differ by less than k would share draws."""
+    check_prompts(prompts, seeds, max_new_tokens, max_len)
+    return PerSampleRequests(
+        num_samples,
+        [list(p) for p in prompts for _ in range(num_samples)],
+        [s for seed in seeds for s in sample_seeds(seed, num_samples)],
     )
 
 

@@ -45,12 +45,11 @@ from reinforce.core.spec import GenerationSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import (
     check_fits,
-    check_prompts,
     checkpoint_shapes,
     engine_names,
     eos_token_ids,
+    per_sample_requests,
     policy_files,
-    sample_seeds,
     stop_prefix,
 )
 
@@ -97,18 +96,17 @@ class TensorRTLLMEngine(GenerationEngine):
     ) -> list[list[SampledSequence]]:
         from tensorrt_llm.sampling_params import LogprobMode, SamplingParams
 
-        check_prompts(prompts, seeds, self.generation.max_new_tokens, self.max_seq_len)
         k = self.num_samples if num_samples is None else num_samples
+        batch = per_sample_requests(prompts, seeds, k, self.generation.max_new_tokens, self.max_seq_len)
         generation = self.generation
         if temperature is not None:
             generation = generation.model_copy(update={"temperature": temperature})
-        requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(k)]
+        requests = [{"prompt_token_ids": p} for p in batch.prompts]
         params = []
-        for seed in seeds:
-            for sample_seed in sample_seeds(seed, k):
-                kwargs = sampling_kwargs(generation, sample_seed, self.eos_token_ids, self.pad_token_id)
-                mode = LogprobMode.PROCESSED if kwargs.pop("processed_logprobs") else LogprobMode.RAW
-                params.append(SamplingParams(**kwargs, logprobs_mode=mode))
+        for seed in batch.seeds:
+            kwargs = sampling_kwargs(generation, seed, self.eos_token_ids, self.pad_token_id)
+            mode = LogprobMode.PROCESSED if kwargs.pop("processed_logprobs") else LogprobMode.RAW
+            params.append(SamplingParams(**kwargs, logprobs_mode=mode))
         outputs = self._llm.generate(requests, sampling_params=params, use_tqdm=False)
         sequences = [
             to_sequence(
@@ -120,7 +118,7 @@ class TensorRTLLMEngine(GenerationEngine):
             )
             for out in outputs
         ]
-        return [sequences[i * k : (i + 1) * k] for i in range(len(prompts))]
+        return batch.grouped(sequences)
 
     def load_weights(self, path: Path) -> None:
         from tensorrt_llm._torch.utils import get_device_uuid  # what the worker extension keys handles by

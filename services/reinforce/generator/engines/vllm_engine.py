@@ -46,12 +46,11 @@ from reinforce.core.spec import GenerationSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import (
     check_fits,
-    check_prompts,
     checkpoint_shapes,
     eos_token_ids,
+    per_sample_requests,
     policy_files,
     read_checkpoint,
-    sample_seeds,
 )
 
 if TYPE_CHECKING:
@@ -113,16 +112,13 @@ class VLLMEngine(GenerationEngine):
     ) -> list[list[SampledSequence]]:
         from vllm.inputs import TokensPrompt
 
-        check_prompts(prompts, seeds, self.generation.max_new_tokens, self.max_model_len)
         k = self.num_samples if num_samples is None else num_samples
+        batch = per_sample_requests(prompts, seeds, k, self.generation.max_new_tokens, self.max_model_len)
         temperature = self.generation.temperature if temperature is None else temperature
-        # One request per sample (vLLM's n=k would seed sample i with seed + i, so prompts whose seeds differ by
-        # less than k would share draws).
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(k)]
-        params = [self._sampling_params(s, temperature) for seed in seeds for s in sample_seeds(seed, k)]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in batch.prompts]
+        params = [self._sampling_params(seed, temperature) for seed in batch.seeds]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
-        sequences = [self._sequence(out.outputs[0]) for out in outputs]
-        return [sequences[i * k : (i + 1) * k] for i in range(len(prompts))]
+        return batch.grouped([self._sequence(out.outputs[0]) for out in outputs])
 
     def load_weights(self, path: Path) -> None:
         """Refit in place. The file is checked against the policy's names and shapes first: a file that does not fit
