@@ -98,6 +98,33 @@ def test_response_logprobs_matches_full_logits(model, prompts) -> None:
             assert mask[i].tolist() == [1.0] * len(r) + [0.0] * (3 - len(r))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_samples_sharing_a_prompt_get_the_logprobs_and_gradients_of_separate_passes(folder, prompts, attention) -> None:
+    """response_states runs each run of equal prompts once and shares its keys and values: the log-probs and the
+    gradient are those of one full forward per sample (prompts of three lengths, a run broken and resumed, an empty
+    response and a one-token one)."""
+    model = load_policy(folder).train()
+    model.set_attn_implementation(attention)
+    rows = [0, 0, 0, 1, 1, 2, 1]
+    prompt_ids = [prompts[r] for r in rows]
+    responses = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14], [], [15, 16], [17, 18, 19]]
+
+    def gradient(loss: torch.Tensor) -> torch.Tensor:
+        model.zero_grad()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    shared, mask = response_logprobs(model, prompt_ids, responses, temperature=0.9)
+    separate = torch.zeros_like(shared)
+    for i, (p, r) in enumerate(zip(prompt_ids, responses, strict=True)):
+        if r:
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1 : -1] / 0.9
+            separate[i, : len(r)] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+    assert mask.sum(1).tolist() == [len(r) for r in responses]
+    torch.testing.assert_close(shared, separate, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gradient((shared * mask).sum()), gradient(separate.sum()), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_response_logprobs(model, tokenizer, prompts, temperature: float) -> None:
     gen = GenerationSpec(max_new_tokens=12, temperature=temperature)

@@ -281,19 +281,59 @@ def response_states(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The transformer body's last hidden state at each position that predicts a response token ([N, H], N = real
     response tokens, row-major), those tokens [N], and the [B, T] response mask. The policy's head on these states
-    gives the response's log-probs, the critic's its values: the same positions for both."""
+    gives the response's log-probs, the critic's its values: the same positions for both.
+
+    A run of rows with the same prompt (a prompt's k samples sit next to each other) runs that prompt through the
+    body once; its samples then run only their responses, attending to the prompt's keys and values. No prompt token
+    attends to a response, so this is the same computation as one pass over every row's prompt and response, on
+    about half the tokens at the benchmarks' shapes (k = 4, 42-token prompts, 32-token responses), gradients
+    included: they flow back through the shared keys and values.
+    """
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token to predict the response's first token")
     device = next(body.parameters()).device
-    input_ids, attention = right_padded(prompt_ids, response_ids, pad)
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    # Right padding: real tokens sit at 0..n-1, so positions are a plain arange for every row.
+    prompts, prompt_of_row = _distinct_runs(prompt_ids)
+    prompt_of_row = torch.tensor(prompt_of_row, dtype=torch.long, device=device)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+
+    # 1. each distinct prompt once, right-padded; its last token's state predicts every sample's first token
+    input_ids, attention = (t.to(device) for t in right_padded(prompts, [[] for _ in prompts], pad))
     positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-    hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=positions).last_hidden_state
-    rows, cols, targets, mask = response_positions(prompt_ids, response_ids, device)
-    return hidden[rows, cols], targets, mask
+    out = body(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    first = out.last_hidden_state[torch.arange(len(prompts), device=device), prompt_lengths - 1][prompt_of_row]
+    states = first.unsqueeze(1)  # [B, 1 + width, H]: column t predicts response token t
+
+    # 2. each sample's response but its last token (which predicts nothing), after its prompt's keys and values:
+    # the cache holds each prompt's padded slots too, masked out by the joined attention mask
+    continuations = [r[:-1] for r in response_ids]
+    width = max(len(c) for c in continuations)
+    if width > 0:
+        cache = out.past_key_values
+        cache.batch_select_indices(prompt_of_row)
+        ids, response_attention = (t.to(device) for t in right_padded([[] for _ in continuations], continuations, pad))
+        hidden = body(
+            input_ids=ids,
+            attention_mask=torch.cat([attention[prompt_of_row], response_attention], dim=1),
+            position_ids=prompt_lengths[prompt_of_row].unsqueeze(1) + torch.arange(width, device=device),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        states = torch.cat([states, hidden], dim=1)
+    _, _, targets, mask = response_positions(prompt_ids, response_ids, device)
+    return states[:, : mask.shape[1]][mask.bool()], targets, mask
+
+
+def _distinct_runs(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The prompts with each run of equal neighbours once, and the index of each row's prompt among them."""
+    prompts: list[list[int]] = []
+    prompt_of_row = []
+    for prompt in prompt_ids:
+        if not prompts or prompts[-1] != prompt:
+            prompts.append(prompt)
+        prompt_of_row.append(len(prompts) - 1)
+    return prompts, prompt_of_row
 
 
 def _response_log_softmax(
