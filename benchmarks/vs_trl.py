@@ -16,7 +16,8 @@ Printed and saved (benchmarks/results/vs_trl.json, then BENCHMARKS.md): seconds 
 left out as warm-up), completions/s, response tokens/s, peak RSS of each process, the mean reward of the first 3 and
 the last 3 steps, the wall time (sum of step times) until the 3-step mean reward first reaches 0.7, the ratios to
 TRL, the measured float32 and bfloat16 matmul peaks, and the training phase's share of the bfloat16 peak
-(6 * parameters * tokens per step over `timers/train_time`).
+(6 x weights x tokens the model computes per step, over `timers/train_time`: each prompt once, each response
+token, the LM head on response tokens only; attention's own products left out).
 """
 
 from __future__ import annotations
@@ -272,11 +273,12 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
     result = summarize([r["train_rollouts/rewards"] for r in rows], [r["timers/step_time"] for r in rows], tokens, s)
     phases = ("generate", "reward", "init_logprobs", "train_time", "weight_publish")
     result["phase_seconds"] = {p: statistics.median(r[f"timers/{p}"] for r in rows[1:] or rows) for p in phases}
-    step_tokens = statistics.mean(
-        (r["train_rollouts/prompt_lengths"] + r["train_rollouts/response_lengths"]) * s.k * s.prompts_per_step
-        for r in rows
-    )
-    result["train_tflop_per_step"] = 6 * _parameters(policy) * step_tokens / 1e12
+    # the tokens the model computes: each prompt once (its k samples share it), each response token; the LM head
+    # runs on response tokens only
+    prompt_tokens = statistics.mean(r["train_rollouts/prompt_lengths"] * s.prompts_per_step for r in rows)
+    response_tokens = statistics.mean(r["train_rollouts/response_lengths"] * s.k * s.prompts_per_step for r in rows)
+    body, head = _matmul_parameters(policy)
+    result["train_tflop_per_step"] = 6 * (body * (prompt_tokens + response_tokens) + head * response_tokens) / 1e12
     # with baseline_samples ended, a prompt with fewer than two ended samples would teach nothing
     result["fraction_properly_ended"] = statistics.mean(
         r["train_rollouts/fraction_of_samples_properly_ended"] for r in rows
@@ -284,13 +286,19 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
     return {**result, "peak_rss_mib": rss.stop()}
 
 
-def _parameters(policy: Path) -> int:
+def _matmul_parameters(policy: Path) -> tuple[int, int]:
+    """(the transformer body's weights, the LM head's): the weights each token's matmuls multiply with (an
+    embedding lookup multiplies nothing)."""
     import math
 
     from safetensors import safe_open
 
+    config = json.loads((policy / "config.json").read_text())
+    head = config["vocab_size"] * config["hidden_size"]
     with safe_open(str(policy / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (not a dict)
+        total = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (not a dict)
+    embeddings = head if config.get("tie_word_embeddings") else 2 * head
+    return total - embeddings, head
 
 
 # ---- report ----------------------------------------------------------------------------------------------------

@@ -7,11 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
 from reinforce.core.spec import TrainingSpec
-from reinforce.core.weights import WeightError, WeightSources, load_verified, module_loader, publish
+from reinforce.core.weights import (
+    WeightError,
+    WeightSources,
+    load_verified,
+    module_loader,
+    publish,
+    write_safetensors,
+)
 from reinforce.trainer.backends.base import lr_factor
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
@@ -103,6 +111,29 @@ def test_weights_publish_in_the_generators_dtype(tmp_path):
     target = tiny_model(1).to(torch.bfloat16)
     load_verified(module_loader(target), half, WeightSources(tmp_path / "bf16"))
     assert same_weights(source.to(torch.bfloat16), target)
+
+
+def test_written_safetensors_read_back_with_the_library(tmp_path):
+    tensors = {
+        "w": torch.randn(3, 5),
+        "half": torch.randn(7).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "ids": torch.arange(4, dtype=torch.int64),
+        "flags": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3),
+        "strided": torch.randn(4, 6)[:, ::2],  # not contiguous: written in C order
+    }
+    num_bytes, digest = write_safetensors(tmp_path / "t.safetensors", tensors, {"version": "3"})
+    data = (tmp_path / "t.safetensors").read_bytes()
+    assert num_bytes == len(data) and digest == hashlib.sha256(data).hexdigest()
+    loaded = load_file(tmp_path / "t.safetensors")
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        assert f.metadata() == {"version": "3"}
+    with pytest.raises(ValueError, match="c: dtype torch.complex64"):
+        write_safetensors(tmp_path / "c.safetensors", {"c": torch.zeros(2, dtype=torch.cfloat)}, {})
 
 
 def test_only_recent_weight_versions_are_kept(tmp_path):
