@@ -132,7 +132,7 @@ def test_written_safetensors_read_back_with_the_library(tmp_path):
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
         assert f.metadata() == {"version": "3"}
-    with pytest.raises(ValueError, match="c: dtype torch.complex64"):
+    with pytest.raises(ValueError, match=r"c: dtype torch\.complex64"):
         write_safetensors(tmp_path / "c.safetensors", {"c": torch.zeros(2, dtype=torch.cfloat)}, {})
 
 
