@@ -178,7 +178,8 @@ def bucket_by_bytes(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[li
 
 
 def cast_for_engine(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Floating-point tensors in the engine's dtype (the trainer publishes float32); integer tensors as they are."""
+    """Floating-point tensors in the engine's dtype (the trainer publishes in generation.dtype already; a file written
+    another way may differ); integer tensors as they are."""
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
