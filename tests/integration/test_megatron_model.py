@@ -227,12 +227,18 @@ def _train(model, optimizer, scheduler, steps: int) -> None:
         scheduler.step()
 
 
-def test_resume_is_bit_identical(tmp_path: Path) -> None:
+def _checkpointed(folder: Path, steps: int) -> tuple:
+    """A model trained `steps` steps and checkpointed into `folder`: (model, layout, optimizer, scheduler)."""
     model, layout, optimizer, scheduler = _make(seed=0)
-    _train(model, optimizer, scheduler, 3)
-    folder = tmp_path / "step-000003"
+    _train(model, optimizer, scheduler, steps)
     folder.mkdir()
     save_sharded_checkpoint(folder, model, optimizer, layout, scheduler)
+    return model, layout, optimizer, scheduler
+
+
+def test_resume_is_bit_identical(tmp_path: Path) -> None:
+    folder = tmp_path / "step-000003"
+    model, layout, optimizer, scheduler = _checkpointed(folder, steps=3)
     _train(model, optimizer, scheduler, 2)
 
     resumed, _, resumed_optimizer, resumed_scheduler = _make(seed=7)  # other weights: all must come from disk
@@ -250,11 +256,8 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_checkpoint_files_are_safetensors_and_json(tmp_path: Path) -> None:
-    model, layout, optimizer, scheduler = _make(seed=0)
-    _train(model, optimizer, scheduler, 1)
     folder = tmp_path / "ckpt"
-    folder.mkdir()
-    save_sharded_checkpoint(folder, model, optimizer, layout, scheduler)
+    _checkpointed(folder, steps=1)
     names = sorted(p.name for p in folder.iterdir())
     assert names == [
         "megatron.json",

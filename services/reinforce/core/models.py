@@ -276,6 +276,22 @@ def response_logprobs_and_entropy(
     return logprobs, entropy, mask
 
 
+def check_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+    """What a log-prob or value pass accepts: one response per prompt, no empty prompt (its last token's state
+    predicts the response's first token)."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token to predict the response's first token")
+
+
+def temperature_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32; at temperature 1 no division, which would be one more pass over [N, V]
+    (200 MB at 1024 tokens of a 49k vocabulary)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def response_states(
     body: torch.nn.Module, prompt_ids: list[list[int]], response_ids: list[list[int]], pad: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,10 +305,7 @@ def response_states(
     about half the tokens at the benchmarks' shapes (k = 4, 42-token prompts, 32-token responses), gradients
     included: they flow back through the shared keys and values.
     """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("every prompt needs at least one token to predict the response's first token")
+    check_sequences(prompt_ids, response_ids)
     device = next(body.parameters()).device
     prompts, prompt_of_row = _distinct_runs(prompt_ids)
     prompt_of_row = torch.tensor(prompt_of_row, dtype=torch.long, device=device)
@@ -341,9 +354,7 @@ def _response_log_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log_softmax of the logits / temperature at each real response token [N, V], its token [N], mask [B, T])."""
     states, targets, mask = response_states(model.base_model, prompt_ids, response_ids, model.config.pad_token_id or 0)
-    logits = model.lm_head(states).float()  # [N, V], N = real response tokens
-    if temperature != 1.0:  # x / 1 == x: skip a pass over [N, V] (200 MB at 1024 tokens of a 49k vocabulary)
-        logits = logits / temperature
+    logits = temperature_scaled(model.lm_head(states), temperature)  # [N, V], N = real response tokens
     return torch.log_softmax(logits, dim=-1), targets, mask
 
 

@@ -23,7 +23,13 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from transformers import LlamaConfig
 
-from reinforce.core.models import padded_like, response_positions, right_padded
+from reinforce.core.models import (
+    check_sequences,
+    padded_like,
+    response_positions,
+    right_padded,
+    temperature_scaled,
+)
 from reinforce.trainer.backends.megatron.convert import (
     LlamaLayout,
     StateDict,
@@ -180,10 +186,7 @@ def _response_logits(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(this rank's vocabulary slice of logits / temperature at each real response token [N, V/t], padded
     vocabulary columns at -inf; the tokens [N]; the [B, T] mask)."""
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("every prompt needs at least one token to predict the response's first token")
+    check_sequences(prompt_ids, response_ids)
     if not model.pre_process or not model.post_process:
         raise NotImplementedError("log-probs need the whole model on this rank (pipeline parallelism is not wired)")
     device = next(model.parameters()).device
@@ -203,7 +206,7 @@ def _response_logits(
     picked_hidden = hidden[cols, rows].unsqueeze(1)  # [N, 1, H]: Megatron's linears take [s, b, h]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(picked_hidden, weight=weight)  # [N, 1, V_padded / t], this rank's slice
-    logits = logits.squeeze(1).float() / temperature
+    logits = temperature_scaled(logits.squeeze(1), temperature)
     return _mask_padded_vocab(logits, vocab_size or model.unpadded_vocab_size), targets, mask
 
 
