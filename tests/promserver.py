@@ -30,6 +30,7 @@ from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONEN
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 # Series Prometheus makes itself about each target, not exported by any service.
 SYNTHETIC = {"up"}
+RATE_WINDOW_S = 10  # the rate interval of expand(): the scrapes are 1 s apart
 COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_CRITIC}
 
 
@@ -79,8 +80,8 @@ class Prometheus:
 
 
 def expand(expr: str, run: str) -> str:
-    """What Grafana sends with the run selected (rates over 10 s: the scrapes are 1 s apart)."""
-    return expr.replace(RATE_INTERVAL, "10s").replace(RUN_VARIABLE, run)
+    """What Grafana sends with the run selected."""
+    return expr.replace(RATE_INTERVAL, f"{RATE_WINDOW_S}s").replace(RUN_VARIABLE, run)
 
 
 def panel_queries() -> list[tuple[str, str, str]]:
@@ -107,6 +108,22 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\boffset\s+\w+", " ", expr)
     names = set(re.findall(r"\b([a-zA-Z_:][\w:]*)\b(?!\s*\()", expr))
     return {n for n in names if n.lower() not in _PROMQL_WORDS and not n[0].isdigit()}
+
+
+def wait_until_scraped(
+    prometheus: Prometheus, run: str, components: set[str], scrapes: int = 3, timeout_s: float = 120
+) -> float:
+    """Waits until each instance of the run's `components` answered at least `scrapes` scrapes in the last rate window,
+    so that a rate over that window has the two samples it needs; returns that moment (time.time())."""
+    deadline = time.monotonic() + timeout_s
+    expr = f'min by (component) (sum_over_time(up{{run="{run}"}}[{RATE_WINDOW_S}s]))'
+    while True:
+        at = time.time()
+        answered = {r["metric"]["component"]: float(r["value"][1]) for r in prometheus.query(expr, at)}
+        if all(answered.get(c, 0) >= scrapes for c in components):
+            return at
+        assert time.monotonic() < deadline, f"scrapes of {run} in the last {RATE_WINDOW_S} s: {answered}"
+        time.sleep(0.5)
 
 
 # The alerts fire only after their condition has held for minutes (`for:`). A healthy tiny run can cross a

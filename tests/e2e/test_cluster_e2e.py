@@ -25,12 +25,18 @@ import pytest
 import yaml
 from k8s import HELM, KUBECTL, REPO, example_run, single_node, single_node_skip_reason
 from kubernetes import client, config
-from promserver import Prometheus, assert_every_dashboard_query_answers
+from promserver import Prometheus, assert_every_dashboard_query_answers, wait_until_scraped
 
 from generate import crd
 from generate.chart_values import CHART
 from reinforce.core.metrics import read_metrics
-from reinforce.core.names import K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL
+from reinforce.core.names import (
+    COMPONENT_GENERATOR,
+    COMPONENT_REWARD,
+    COMPONENT_TRAINER,
+    K8S_COMPONENT_LABEL,
+    K8S_INSTANCE_LABEL,
+)
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.resource import KubernetesSpec
 from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
@@ -200,20 +206,31 @@ def delete_run_and_its_children(cluster: Cluster, name: str) -> None:
     assert not left, f"children of {name} left after deleting it: {left}"
 
 
-def write_pod_targets(cluster: Cluster, run: str, targets_file: Path) -> None:
-    """The run's pods as Prometheus scrape targets, labelled as the chart's monitors label them.
+REINFORCE_COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD}
+
+
+def write_pod_targets(cluster: Cluster, run: str, targets_file: Path, timeout_s: float = 120) -> None:
+    """The run's pods as Prometheus scrape targets, labelled as the chart's monitors label them, once a pod of each
+    REINFORCE component exists (before the first step: the scrapes of a fast run then cover all of it).
 
     Debian builds its Prometheus without Kubernetes discovery, so the test does the discovery through the API server
     and hands the pods over in a file_sd file. On the node's network every pod is 127.0.0.1; a generator's port is
     ports.generator + its ordinal.
     """
+    selector = f"{K8S_INSTANCE_LABEL}={run}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pods = client.CoreV1Api(cluster.api).list_namespaced_pod(RUNS, label_selector=selector).items
+        if {p.metadata.labels[K8S_COMPONENT_LABEL] for p in pods} >= REINFORCE_COMPONENTS:
+            break
+        assert time.monotonic() < deadline, f"pods of {run} after {timeout_s} s: {[p.metadata.name for p in pods]}"
+        time.sleep(0.5)
     targets = []
-    ports = {"reward": PORTS.reward_metrics, "trainer": PORTS.trainer_metrics}
-    for pod in (
-        client.CoreV1Api(cluster.api).list_namespaced_pod(RUNS, label_selector=f"{K8S_INSTANCE_LABEL}={run}").items
-    ):
+    ports = {COMPONENT_REWARD: PORTS.reward_metrics, COMPONENT_TRAINER: PORTS.trainer_metrics}
+    for pod in pods:
         name, component = pod.metadata.name, pod.metadata.labels[K8S_COMPONENT_LABEL]
-        port = PORTS.generator + int(name.rsplit("-", 1)[1]) if component == "generator" else ports.get(component)
+        ordinal = int(name.rsplit("-", 1)[1]) if component == COMPONENT_GENERATOR else None
+        port = PORTS.generator + ordinal if ordinal is not None else ports.get(component)
         if port is not None:
             labels = {"run": run, "component": component, "instance": name}
             targets.append({"targets": [f"127.0.0.1:{port}"], "labels": labels})
@@ -230,14 +247,18 @@ def test_helm_install_then_a_run_trains_in_pods(chart_installed: Cluster, tmp_pa
     folders = persistent_volumes(cluster, "tiny")
     targets = tmp_path / "targets.json"
     targets.write_text("[]")
-    prometheus = Prometheus(tmp_path, [{"job_name": "pods", "file_sd_configs": [{"files": [str(targets)]}]}])
+    file_sd = {"files": [str(targets)], "refresh_interval": "1s"}
+    prometheus = Prometheus(tmp_path, [{"job_name": "pods", "file_sd_configs": [file_sd]}])
     try:
         applied = apply_run(cluster, "tiny")
+        write_pod_targets(cluster, "tiny", targets)
         wait_for_status(cluster, "tiny", lambda s: (s.get("step") or 0) >= 1, "a first trained step")
         first_step_s = time.monotonic() - applied
-        write_pod_targets(cluster, "tiny", targets)
         wait_for_status(cluster, "tiny", lambda s: (s.get("step") or 0) >= STEPS // 2, "half the steps")
-        at = time.time()  # mid-run: every service exports
+        at = wait_until_scraped(prometheus, "tiny", REINFORCE_COMPONENTS)
+        mid_run = cluster.run_status("tiny")
+        # every service exports while the run goes on; the rates need the scrapes of the window before `at`
+        assert mid_run.get("phase") != "Succeeded", f"the run ended before Prometheus had scraped it: {mid_run}"
         final = wait_for_status(cluster, "tiny", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
         total_s = time.monotonic() - applied
         # a REINFORCE run has no critic; the PPO dashboard is answered by tests/integration/test_dashboards.py

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from promserver import (
+    COMPONENTS,
     SYNTHETIC,
     Prometheus,
     alert_queries,
@@ -26,6 +27,7 @@ from promserver import (
     expand,
     metric_names,
     panel_queries,
+    wait_until_scraped,
 )
 
 from generate.dashboards import (
@@ -149,7 +151,7 @@ def test_every_panel_query_returns_data_from_a_live_run(tmp_path, prometheus):
     run = start("run", str(spec))
     try:
         wait_for_step(run, run_dir, 12)
-        at = time.time()  # the run is still going: every service exports
+        at = wait_until_scraped(prometheus, "tiny-ppo", COMPONENTS)  # the run is still going: every service exports
         targets = json.loads((run_dir / PROMETHEUS_TARGETS).read_text())
         time.sleep(2)  # the scrapes up to `at` are stored
         assert run.wait(timeout=120) == 0, run.communicate()[1][-3000:]
