@@ -34,7 +34,6 @@ class GenerationEngine(ABC):
         self.generation = generation
         self.num_samples = num_samples
 
-    @abstractmethod
     def sample(
         self,
         prompts: list[list[int]],
@@ -44,6 +43,14 @@ class GenerationEngine(ABC):
     ) -> list[list[SampledSequence]]:
         """For each prompt (token ids), `num_samples` (default: the engine's k) responses drawn under the prompt's
         seed at `temperature` (default: generation.temperature; 0: greedy, the likeliest token each time)."""
+        k = self.num_samples if num_samples is None else num_samples
+        return self._sample(prompts, seeds, k, self.generation.temperature if temperature is None else temperature)
+
+    @abstractmethod
+    def _sample(
+        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
+    ) -> list[list[SampledSequence]]:
+        """`sample` with its defaults resolved."""
 
     @abstractmethod
     def load_weights(self, path: Path) -> None:

@@ -87,20 +87,13 @@ class TensorRTLLMEngine(GenerationEngine):
         self._shapes = checkpoint_shapes(policy_files(self.policy_dir), self.tie_word_embeddings)
         self._llm = _start_llm(self.policy_dir, self.dtype, self.max_seq_len, kv_cache_memory_fraction)
 
-    def sample(
-        self,
-        prompts: list[list[int]],
-        seeds: list[int],
-        num_samples: int | None = None,
-        temperature: float | None = None,
+    def _sample(
+        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
     ) -> list[list[SampledSequence]]:
         from tensorrt_llm.sampling_params import LogprobMode, SamplingParams
 
-        k = self.num_samples if num_samples is None else num_samples
         batch = per_sample_requests(prompts, seeds, k, self.generation.max_new_tokens, self.max_seq_len)
-        generation = self.generation
-        if temperature is not None:
-            generation = generation.model_copy(update={"temperature": temperature})
+        generation = self.generation.model_copy(update={"temperature": temperature})
         requests = [{"prompt_token_ids": p} for p in batch.prompts]
         params = []
         for seed in batch.seeds:

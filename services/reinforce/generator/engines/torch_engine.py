@@ -35,14 +35,9 @@ class TorchEngine(GenerationEngine):
         self._load = module_loader(self.model)
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 
-    def sample(
-        self,
-        prompts: list[list[int]],
-        seeds: list[int],
-        num_samples: int | None = None,
-        temperature: float | None = None,
+    def _sample(
+        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
     ) -> list[list[SampledSequence]]:
-        k = self.num_samples if num_samples is None else num_samples
         return sample(self.model, self.tokenizer, prompts, k, self.generation, seeds, temperature)
 
     def load_weights(self, path: Path) -> None:

@@ -103,18 +103,12 @@ class VLLMEngine(GenerationEngine):
         self._llm = _start_llm(self.policy_dir, dtype, self.max_model_len, kv_cache_bytes, config)
         self._llm.collective_rpc("record_unfiltered_logprobs")
 
-    def sample(
-        self,
-        prompts: list[list[int]],
-        seeds: list[int],
-        num_samples: int | None = None,
-        temperature: float | None = None,
+    def _sample(
+        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
     ) -> list[list[SampledSequence]]:
         from vllm.inputs import TokensPrompt
 
-        k = self.num_samples if num_samples is None else num_samples
         batch = per_sample_requests(prompts, seeds, k, self.generation.max_new_tokens, self.max_model_len)
-        temperature = self.generation.temperature if temperature is None else temperature
         requests = [TokensPrompt(prompt_token_ids=p) for p in batch.prompts]
         params = [self._sampling_params(seed, temperature) for seed in batch.seeds]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
