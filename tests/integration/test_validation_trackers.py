@@ -19,6 +19,7 @@ from reinforce.core.run_dir import RunPaths
 from reinforce.core.trackers import wandb_history
 from runs import (
     EXAMPLES,
+    MEGATRON_TP2,
     assert_each_step_trained_once,
     reinforce,
     service_pids,
@@ -91,6 +92,32 @@ def test_killed_trainer_continues_its_tracker_runs_without_duplicate_steps(tmp_p
     assert_each_step_trained_once(run_dir, 5)
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # two lives, one W&B run id
     assert_trackers_hold_the_metrics(run_dir, rows)
+
+
+@pytest.mark.slow
+def test_validation_with_tensor_parallelism_matches_the_torch_backend(tmp_path):
+    """backend megatron, tensor_parallel 2: the main rank's tensor peer takes part in the validator's forward
+    passes. Each evaluation is the torch backend's: the same greedy responses and rewards, and the same KL to the
+    reference (0 for version 0, where the policy is the reference)."""
+    evaluations, tables = {}, {}
+    for name, training in (("torch", {}), ("megatron-tp2", MEGATRON_TP2)):
+        folder = tmp_path / name
+        folder.mkdir()
+        result = reinforce("run", str(_spec(folder, [], **training)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        paths = RunPaths(folder / "run")
+        evaluations[name] = [r for r in read_metrics(paths.metrics) if "val/rewards" in r]
+        tables[name] = [
+            [json.loads(line)["response"] for line in table.read_text().splitlines()]
+            for table in sorted(paths.validation.glob("step-*.jsonl"))
+        ]
+    torch_rows, megatron_rows = evaluations["torch"], evaluations["megatron-tp2"]
+    assert [r["step"] for r in megatron_rows] == [r["step"] for r in torch_rows] == [0, 2, 4, 5]
+    assert tables["megatron-tp2"] == tables["torch"]
+    assert megatron_rows[0]["val/init_policy_kl"] == 0.0
+    for t, m in zip(torch_rows, megatron_rows, strict=True):
+        assert m["val/rewards"] == pytest.approx(t["val/rewards"], abs=1e-6), m["step"]
+        assert m["val/init_policy_kl"] == pytest.approx(t["val/init_policy_kl"], rel=1e-3, abs=1e-6), m["step"]
 
 
 def assert_trackers_hold_the_metrics(run_dir: Path, rows: list[dict]) -> None:

@@ -80,13 +80,6 @@ def test_defaults_follow_nemo_aligner():
             "training.num_ranks (3) must be a multiple of training.tensor_parallel",
         ),
         ({"training": {"backend": "megatron", "pipeline_parallel": 2}}, "training.pipeline_parallel > 1 is not supp"),
-        (
-            {
-                "training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 2},
-                "data": {"prompts": "p.txt", "validation_prompts": "v.txt"},
-            },
-            "data.validation_prompts with training.tensor_parallel > 1",
-        ),
         ({"critic": {"init": "reward_model"}}, "critic: Value error, init reward_model needs reward_model_path"),
         ({"critic": {"lr": -1}}, "critic.lr: Input should be greater than 0"),
         ({"critic": {"adam_betas": [2, -1]}}, "critic.adam_betas: Value error, each beta must be in [0, 1)"),

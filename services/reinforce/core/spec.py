@@ -516,11 +516,6 @@ class RunSpec(_Section):
                 f"({t.data_parallel} = training.num_ranks / tensor_parallel / pipeline_parallel): every rank trains "
                 "the same number of whole prompt groups"
             )
-        if t.backend == "megatron" and t.tensor_parallel > 1 and self.data.validation_prompts:
-            raise ValueError(
-                "data.validation_prompts with training.tensor_parallel > 1 is not supported yet: the validator "
-                "runs on the main rank alone, and a tensor-parallel forward needs every rank of the replica"
-            )
         a = self.algorithm
         if a.name == "ppo":
             if t.num_ranks > 1:

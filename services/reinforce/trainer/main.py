@@ -99,9 +99,9 @@ class Trainer:
         )
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
         self.validator: Validator | None = None
-        if spec.data.validation_prompts and self.ranks.is_main:
+        if spec.data.validation_prompts and self.ranks.rank == 0:  # the main process and its replica's peers
             self.validator = Validator(
-                spec, self.tokenizer, self.queue, self.backend, self.paths, self.consumer, self.stopping
+                spec, self.tokenizer, self.queue, self.backend, self.paths, self.consumer, self.stopping, self.ranks
             )
         self.trackers: Trackers | None = None  # opened by resume_if_possible, once the step is known
         self.step = 0
@@ -142,17 +142,21 @@ class Trainer:
         if stale:
             self.queue.ack_rollouts([entry_id for entry_id, _ in stale])
             log.info("dropped %d rollout groups of an interrupted step", len(stale))
-        if self.validator is not None:
+        if self.validator is not None and self.ranks.is_main:
             self.validator.discard_pending()
 
     def run(self) -> None:
         self.publish_weights()
-        # The start's evaluation (step 0's row; the validator is the main rank's); a resumed run evaluated its
-        # checkpoint's version already.
+        # The start's evaluation (step 0's row); a resumed run evaluated its checkpoint's version already. The
+        # replica's processes share one pod, so they read the same file, and row 0 is written only after all of
+        # them have joined finish(0).
         if self.validator is not None and self.step == 0 and not _has_row(self.paths.metrics, 0):
-            self.feeder.fill_pipeline(0)  # the first step's generation overlaps the evaluation
+            if self.ranks.is_main:
+                self.feeder.fill_pipeline(0)  # the first step's generation overlaps the evaluation
             self.validator.start(0)
-            self.record(0, self.validator.finish(0))
+            values = self.validator.finish(0)
+            if self.ranks.is_main:
+                self.record(0, values)
         while self.step < self.spec.training.steps and not self.stopping.is_set():
             self.train_step()
             last = self.step == self.spec.training.steps
@@ -236,7 +240,7 @@ class Trainer:
         evaluate = self.validator is not None and self.validator.due(self.step)
         if evaluate:
             # the next step's prompts first: generators sample them while this rank waits for the evaluation
-            if self.step < self.spec.training.steps:
+            if self.step < self.spec.training.steps and self.ranks.is_main:
                 self.feeder.fill_pipeline(self.step)
             self.validator.start(self.step)
         self.ranks.barrier()
@@ -248,12 +252,12 @@ class Trainer:
         values.update(self.feeder.trained(trained))
         values["timers/step_time"] = time.perf_counter() - step_start
         values = self.ranks.reduce_metrics(values, SUMMED_METRICS, MAXED_METRICS)
+        if evaluate:
+            values.update(self.validator.finish(self.step))  # the main rank's replica: all of its processes
         if not self.ranks.is_main:
             return
         trained_ids = [f"{trained}-{i}" for i in indices]
         _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": trained_ids})
-        if evaluate:
-            values.update(self.validator.finish(self.step))
         self.record(self.step, values)
         log.info(
             "step %d reward %.4f kl %.4f grad norm %.4f",

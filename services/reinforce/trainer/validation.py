@@ -7,6 +7,10 @@ stream, which only this class reads: a validation group can never be trained on,
 trained_groups.jsonl. The trainer enqueues the next step's training prompts first and then waits only for the
 evaluation, so a step is held up by at most the evaluation's time, while the generators also sample the next
 step. The metrics (`val/...`) go into the row of step v; a few responses go to validation/step-NNNNNN.jsonl.
+
+With tensor parallelism the main rank's replica is several processes: each of them runs a Validator, and the
+main one hands the evaluation's groups to the others (`Ranks.share_with_model_peers`) so that all of them take
+part in the scoring's forward passes. Only the main one touches the queue and writes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.reinforce import sequence_kl
 from reinforce.trainer.backends.base import TrainerBackend
+from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import prompt_seed
 
 log = logging.getLogger("reinforce.trainer")
@@ -46,9 +51,12 @@ class Validator:
         paths: RunPaths,
         consumer: str,
         stopping: threading.Event,
+        ranks: Ranks,
     ) -> None:
         assert spec.data.validation_prompts is not None
+        assert ranks.rank == 0, "the validator runs on the main rank's replica"
         self.spec = spec
+        self.ranks = ranks
         self.queue = queue
         self.backend = backend
         self.paths = paths
@@ -70,7 +78,9 @@ class Validator:
         return step == 0 or step == self.spec.training.steps or (every > 0 and step % every == 0)
 
     def start(self, version: int) -> None:
-        """Enqueue the validation prompts for weight version `version` (already published)."""
+        """Enqueue the validation prompts for weight version `version` (already published); the main rank's."""
+        if not self.ranks.is_main:
+            return
         v = self.spec.validation
         prompts = [
             Prompt(
@@ -91,7 +101,24 @@ class Validator:
         self.started[version] = time.perf_counter()
 
     def finish(self, version: int) -> dict[str, float]:
-        """Wait for the evaluation of `version`; its metrics. Writes the response table."""
+        """Wait for the evaluation of `version`; its metrics. Writes the response table. Every process of the main
+        rank's replica calls it; the others take part in the scoring and get {}."""
+        groups, entry_ids = self.wait_for_groups(version) if self.ranks.is_main else ([], [])
+        if self.ranks.model_world > 1:
+            shared = self.ranks.share_with_model_peers([g.SerializeToString() for g in groups])
+            groups = [RolloutGroup.FromString(payload) for payload in shared]
+        values = self.score(groups)
+        if not self.ranks.is_main:
+            return {}
+        self.write_table(version, groups)
+        self.queue.ack_validation(entry_ids)
+        values["timers/validation"] = time.perf_counter() - self.started.pop(version)
+        log.info("validation of version %d: reward %.4f kl %.4f", version, values["val/rewards"],
+                 values["val/init_policy_kl"])  # fmt: skip
+        return values
+
+    def wait_for_groups(self, version: int) -> tuple[list[RolloutGroup], list[str]]:
+        """The evaluation's groups in prompt order, and the stream entries read (to acknowledge)."""
         wanted = {validation_prompt_id(version, i): i for i in range(len(self.prompts))}
         groups: dict[str, RolloutGroup] = {}
         entry_ids: list[str] = []
@@ -104,14 +131,7 @@ class Validator:
                     groups.setdefault(group.prompt_id, group)
                 else:
                     log.warning("dropping stale or duplicate validation group %s", group.prompt_id)
-        ordered = sorted(groups.values(), key=lambda g: wanted[g.prompt_id])
-        values = self.score(ordered)
-        self.write_table(version, ordered)
-        self.queue.ack_validation(entry_ids)
-        values["timers/validation"] = time.perf_counter() - self.started.pop(version)
-        log.info("validation of version %d: reward %.4f kl %.4f", version, values["val/rewards"],
-                 values["val/init_policy_kl"])  # fmt: skip
-        return values
+        return sorted(groups.values(), key=lambda g: wanted[g.prompt_id]), entry_ids
 
     @torch.no_grad()
     def score(self, groups: list[RolloutGroup]) -> dict[str, float]:
