@@ -343,7 +343,7 @@ def render(results: dict) -> str:
             f"{'not reached' if to_target is None else f'{to_target:.0f}'} | "
             f"{_fmt(c.get('completions_per_s_vs_trl'), '{:.2f}x')} | "
             f"{_fmt(c.get('train_share_of_bf16_peak'), '{:.0%}')} "
-            f"| {', '.join(f'{k}: {v}' for k, v in r['peak_rss_mib'].items())} |"
+            f"| {_rss_cell(r['peak_rss_mib'])} |"
         )
     phased = [run for run in results["runs"] if "phase_seconds" in run["result"]]
     if phased:
@@ -354,6 +354,17 @@ def render(results: dict) -> str:
             ph = run["result"]["phase_seconds"]
             lines.append(f"| {run['name']} | " + " | ".join(f"{ph[n]:.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+RSS_SHOWN_MIB = 100  # processes that hold a model or a server; smaller ones (launchers, compilers) are summed
+
+
+def _rss_cell(peaks: dict[str, int]) -> str:
+    """The processes holding RSS_SHOWN_MIB or more, largest first, and the sum of the rest."""
+    shown = sorted(((mib, name) for name, mib in peaks.items() if mib >= RSS_SHOWN_MIB), reverse=True)
+    rest = sum(mib for mib in peaks.values() if mib < RSS_SHOWN_MIB)
+    cell = ", ".join(f"{name}: {mib}" for mib, name in shown)
+    return f"{cell}, {len(peaks) - len(shown)} others: {rest}" if rest else cell
 
 
 def _fmt(value: float | None, pattern: str) -> str:
