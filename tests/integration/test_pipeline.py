@@ -190,12 +190,15 @@ def test_megatron_tensor_parallel_run_trains_like_the_torch_backend(tmp_path, ti
         ("tiny", {"backend": "megatron", "num_ranks": 2}, "tiny_baseline", 1e-5),
         # 4 AdamW steps per step (2 epochs x 2 minibatches): float32 noise grows faster; measured 2e-5
         ("tiny-ppo", {"backend": "megatron"}, "tiny_ppo_baseline", 1e-4),
+        # the main process alone is the critic's client; its tensor peer gets the values from it
+        ("tiny-ppo", MEGATRON_TP2, "tiny_ppo_baseline", 1e-4),
     ],
-    ids=["megatron-dp2", "megatron-ppo"],
+    ids=["megatron-dp2", "megatron-ppo", "megatron-tp2-ppo"],
 )
 def test_megatron_layouts_train_like_the_torch_backend(tmp_path, request, example, training, baseline, tolerance):
     """Megatron over two data-parallel ranks (each reads its own half of a step's groups; gradients summed), and
-    PPO on Megatron (the critic in its own process, as with torch): the torch backend's weights after 12 steps."""
+    PPO on Megatron, also over two tensor-parallel ranks (the critic in its own process, as with torch): the torch
+    backend's weights after 12 steps."""
     spec = write_spec(tmp_path, example, training={**BASELINE_TRAINING, **training})
     result = reinforce("run", str(spec))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -69,11 +69,11 @@ def test_defaults_follow_nemo_aligner():
         ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda: Input should be less than or equal"),
         ({"algorithm": {"name": "ppo", "num_minibatches": 3}}, "must be a multiple of algorithm.num_minibatches (3)"),
         ({"algorithm": {"name": "ppo", "max_policy_lag": 1}}, "algorithm.max_policy_lag must be 0"),
-        ({"algorithm": {"name": "ppo"}, "training": {"num_ranks": 2}}, "ppo trains with training.num_ranks 1"),
+        ({"algorithm": {"name": "ppo"}, "training": {"num_ranks": 2}}, "ppo trains one data-parallel rank"),
         ({"training": {"tensor_parallel": 2, "num_ranks": 2}}, "training.tensor_parallel > 1 needs training.backend"),
         (
-            {"algorithm": {"name": "ppo"}, "training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 2}},
-            "ppo trains with training.num_ranks 1",
+            {"algorithm": {"name": "ppo"}, "training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 4}},
+            "training.num_ranks must equal training.tensor_parallel",
         ),
         (
             {"training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 3}},

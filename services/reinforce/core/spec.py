@@ -518,9 +518,12 @@ class RunSpec(_Section):
             )
         a = self.algorithm
         if a.name == "ppo":
-            if t.num_ranks > 1:
-                # a tensor-parallel peer would be a second critic client: every critic step taken twice
-                raise ValueError("algorithm.name ppo trains with training.num_ranks 1 (one critic client)")
+            if t.data_parallel > 1:
+                # each data-parallel rank would be a critic client with its share: every critic step taken per rank
+                raise ValueError(
+                    "algorithm.name ppo trains one data-parallel rank (one critic client): training.num_ranks must "
+                    "equal training.tensor_parallel"
+                )
             if a.max_policy_lag > 0:
                 raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")
             if a.correct_engine_mismatch:

@@ -94,6 +94,13 @@ class Ranks:
         offsets = [0, *torch.cumsum(lengths, 0).tolist()]
         return [data[a:b] for a, b in itertools.pairwise(offsets)]
 
+    def share_tensor_with_model_peers(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The reader's `tensor` on every process of its model-parallel group (filled in place on the others, which
+        pass a tensor of the same shape and dtype)."""
+        if self.model_world > 1:
+            dist.broadcast(tensor, dist.get_global_rank(self.model_group, 0), group=self.model_group)
+        return tensor
+
     def sum(self, value: int) -> int:
         if self.world == 1:
             return value

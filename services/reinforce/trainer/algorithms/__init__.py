@@ -22,5 +22,7 @@ def build_algorithm(spec: RunSpec, ranks: Ranks, critic_url: str | None = None) 
 
         if critic_url is None:
             raise ValueError("algorithm.name ppo needs the critic service's URL (--critic-url)")
-        return PPO(spec, ranks, CriticClient(critic_url, os.environ.get(CONTROL_TOKEN_ENV, "")))
+        # one critic client: the main process (PPO trains one data-parallel rank; its tensor peers get the values)
+        client = CriticClient(critic_url, os.environ.get(CONTROL_TOKEN_ENV, "")) if ranks.is_main else None
+        return PPO(spec, ranks, client)
     raise ValueError(f"algorithm.name {spec.algorithm.name!r} is not available")

@@ -10,6 +10,9 @@ The formulas are ppo.py's. One step on the step's batch of B = prompts_per_step 
            critic: the same minibatches in one /v1/train request, one AdamW step each, running in a thread
                    beside the actor's steps (the critic computes in its own process)
 
+With tensor parallelism only the main process talks to the critic: it hands the values of step 1 to its tensor
+peers (the same batch on each) and alone sends the minibatches of step 3.
+
 Exactness: the critic is checkpointed at the trainer's checkpoint steps (/v1/checkpoint, before the trainer's own
 files) and restored with the trainer (/v1/restore), so a resumed run repeats the same updates bit for bit. The
 trainer counts the critic's optimizer steps; a critic that restarted and resumed from an older checkpoint reports
@@ -58,7 +61,8 @@ class Rollout:
 class PPO(Algorithm):
     name = "ppo"
 
-    def __init__(self, spec: RunSpec, ranks: Ranks, critic: CriticClient) -> None:
+    def __init__(self, spec: RunSpec, ranks: Ranks, critic: CriticClient | None) -> None:
+        """`critic`: None on the main process's tensor-parallel peers (one client per run)."""
         super().__init__(spec, ranks)
         self.critic = critic
         self.critic_steps = 0  # the critic's optimizer steps, as this trainer's history has them
@@ -66,15 +70,18 @@ class PPO(Algorithm):
 
     # ---- the critic's state follows the trainer's checkpoints -------------------------------------------------
     def restore(self, step: int) -> None:
-        self.critic.wait_ready()
-        self.critic_steps = self.critic.restore(step).train_steps
+        if self.critic is not None:
+            self.critic.wait_ready()
+            self.critic_steps = self.critic.restore(step).train_steps
 
     def save(self, step: int) -> None:
-        self.check_critic_steps(self.critic.checkpoint(step).train_steps)
+        if self.critic is not None:
+            self.check_critic_steps(self.critic.checkpoint(step).train_steps)
 
     def close(self) -> None:
         self.pool.shutdown()
-        self.critic.close()
+        if self.critic is not None:
+            self.critic.close()
 
     def check_critic_steps(self, reported: int) -> None:
         if reported != self.critic_steps:
@@ -91,7 +98,7 @@ class PPO(Algorithm):
         minibatches = self.minibatches(len(rollout.response_ids), version)
         # a minibatch without a single kept response token gives the critic nothing to learn
         critic_batches = [self.critic_minibatch(rollout, rows) for rows in minibatches if rollout.mask[rows].any()]
-        critic_update = self.pool.submit(self.train_critic, critic_batches)
+        critic_update = self.pool.submit(self.train_critic, critic_batches)  # (nan, nan) on a tensor peer
         actor = [self.actor_step(backend, rollout, rows) for rows in minibatches]
         wait_start = time.perf_counter()
         critic_loss, critic_grad_norm = critic_update.result()
@@ -116,7 +123,7 @@ class PPO(Algorithm):
 
     def train_critic(self, minibatches: list[Minibatch]) -> tuple[float, float]:
         """The critic's steps on the minibatches (none when every sample was dropped): (loss, gradient norm)."""
-        if not minibatches:
+        if not minibatches or self.critic is None:
             return math.nan, math.nan
         result = self.critic.train(minibatches)
         self.critic_steps += len(minibatches)
@@ -128,7 +135,7 @@ class PPO(Algorithm):
         """Steps 1 and 2: log-probs and values of the whole batch, then rewards, GAE, returns and whitening."""
         alg, temperature = self.spec.algorithm, self.spec.generation.temperature
         prompt_ids, response_ids = token_lists(batch.groups)
-        values_request = self.pool.submit(self.critic.values, prompt_ids, response_ids)
+        values_request = None if self.critic is None else self.pool.submit(self.critic.values, prompt_ids, response_ids)
         old, ref, masks = [], [], []
         timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
         mismatch = TokenStats()
@@ -150,7 +157,10 @@ class PPO(Algorithm):
         keep = batch.keep.reshape(-1)
         mask = pad_cat(masks) * keep.unsqueeze(-1)
         wait_start = time.perf_counter()
-        values = _padded(values_request.result(), like=old_logprobs)
+        values = (
+            _padded(values_request.result(), like=old_logprobs) if values_request else torch.empty_like(old_logprobs)
+        )
+        values = self.ranks.share_tensor_with_model_peers(values)
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
 
         kl = kl_per_token(old_logprobs, ref_logprobs, alg.kl_estimator, alg.use_absolute_kl)
