@@ -157,9 +157,10 @@ class PPO(Algorithm):
         keep = batch.keep.reshape(-1)
         mask = pad_cat(masks) * keep.unsqueeze(-1)
         wait_start = time.perf_counter()
-        values = (
-            _padded(values_request.result(), like=old_logprobs) if values_request else torch.empty_like(old_logprobs)
-        )
+        if values_request is None:  # a tensor peer: the main process's values arrive
+            values = torch.empty_like(old_logprobs)
+        else:
+            values = _padded(values_request.result(), like=old_logprobs)
         values = self.ranks.share_tensor_with_model_peers(values)
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
 
