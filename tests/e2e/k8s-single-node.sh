@@ -239,7 +239,25 @@ node_ready() {
         jq -r '.status.conditions[]? | select(.type == "Ready") | .status')" = True ]
 }
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# N distinct free ports below the kernel's ephemeral range: the servers bind them seconds later (kubelet last), and
+# a port from the ephemeral range can meanwhile become the local end of some outgoing connection (CI saw kubelet's
+# healthz port taken for a whole minute).
+free_ports() {
+    python3 - "$1" <<'PY'
+import random, socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+ports = set()
+while len(ports) < int(sys.argv[1]):
+    port = random.randint(10000, low - 1)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    ports.add(port)
+print(*ports)
+PY
+}
 
 wait_for() {  # description timeout-seconds process-to-watch command...
     local what="$1" timeout="$2" watch="$3" deadline
@@ -284,13 +302,11 @@ preflight() {
 }
 
 start_control_plane() {
-    local etcd_client etcd_peer api_port
-    etcd_client="http://127.0.0.1:$(free_port)"
-    etcd_peer="http://127.0.0.1:$(free_port)"
-    api_port="$(free_port)"
+    local etcd_client_port etcd_peer_port api_port etcd_client etcd_peer
+    read -r etcd_client_port etcd_peer_port api_port KUBELET_PORT KUBELET_HEALTHZ_PORT < <(free_ports 5)
+    etcd_client="http://127.0.0.1:$etcd_client_port"
+    etcd_peer="http://127.0.0.1:$etcd_peer_port"
     API_SERVER="https://127.0.0.1:$api_port"
-    KUBELET_PORT="$(free_port)"
-    KUBELET_HEALTHZ_PORT="$(free_port)"
     cat >"$STATE/env" <<EOF
 API_SERVER=$API_SERVER
 ETCD_URL=$etcd_client
