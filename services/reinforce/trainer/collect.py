@@ -18,6 +18,14 @@ from reinforce.trainer.distributed import Ranks
 log = logging.getLogger("reinforce.trainer")
 
 
+def share_groups(ranks: Ranks, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+    """The reader's `groups` on every process of its model-parallel group, sent as serialised protobuf records."""
+    if ranks.model_world == 1:
+        return groups
+    shared = ranks.share_with_model_peers([g.SerializeToString() for g in groups])
+    return [RolloutGroup.FromString(payload) for payload in shared]
+
+
 class GroupCollector:
     """Reads this rank's share of each step's groups; keeps early ones, drops stale ones and too-old ones."""
 
@@ -43,10 +51,7 @@ class GroupCollector:
         """This data-parallel rank's groups of `step`, in prompt order, on every process of its replica (the entry
         ids, for acknowledging, only on its reader)."""
         entry_ids, groups = self.read_groups(step) if self.ranks.is_reader else ([], [])
-        if self.ranks.model_world == 1:
-            return entry_ids, groups
-        shared = self.ranks.share_with_model_peers([g.SerializeToString() for g in groups])
-        return entry_ids, [RolloutGroup.FromString(payload) for payload in shared]
+        return entry_ids, share_groups(self.ranks, groups)
 
     def read_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
         """Wait for one group per prompt of `step`, in prompt order.

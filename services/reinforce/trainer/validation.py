@@ -9,7 +9,7 @@ evaluation, so a step is held up by at most the evaluation's time, while the gen
 step. The metrics (`val/...`) go into the row of step v; a few responses go to validation/step-NNNNNN.jsonl.
 
 With tensor parallelism the main rank's replica is several processes: each of them runs a Validator, and the
-main one hands the evaluation's groups to the others (`Ranks.share_with_model_peers`) so that all of them take
+main one hands the evaluation's groups to the others (`collect.share_groups`) so that all of them take
 part in the scoring's forward passes. Only the main one touches the queue and writes.
 """
 
@@ -31,6 +31,7 @@ from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.reinforce import sequence_kl
 from reinforce.trainer.backends.base import TrainerBackend
+from reinforce.trainer.collect import share_groups
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import prompt_seed
 
@@ -104,9 +105,7 @@ class Validator:
         """Wait for the evaluation of `version`; its metrics. Writes the response table. Every process of the main
         rank's replica calls it; the others take part in the scoring and get {}."""
         groups, entry_ids = self.wait_for_groups(version) if self.ranks.is_main else ([], [])
-        if self.ranks.model_world > 1:
-            shared = self.ranks.share_with_model_peers([g.SerializeToString() for g in groups])
-            groups = [RolloutGroup.FromString(payload) for payload in shared]
+        groups = share_groups(self.ranks, groups)
         values = self.score(groups)
         if not self.ranks.is_main:
             return {}
