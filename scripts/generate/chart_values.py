@@ -3,8 +3,8 @@
 `ChartValues` is the typed model of `charts/reinforce/values.yaml` (Helm's camelCase); its `operatorConfig`
 is the operator's own `OperatorConfig`, so the chart cannot accept an operator setting the operator would
 refuse. `make generate` writes `values.schema.json` (Helm checks every install against it)
-and `files/operator-rules.yaml` (the ClusterRole's rules: `OPERATOR_RULES`, one source); tests/test_chart.py
-fails when either drifts.
+and `files/operator-rules.yaml` (the roles' rules: `CLUSTER_RULES` and `NAMESPACED_RULES`, one source);
+tests/test_chart.py fails when either drifts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from reinforce.operator.children import OperatorConfig
-from reinforce.operator.rbac import OPERATOR_RULES
+from reinforce.operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "reinforce"
 
@@ -62,7 +62,11 @@ class ChartValues(_Values):
         default_factory=list, description="Namespaces whose ReinforceRuns the operator runs (empty: all)."
     )
     serviceAccount: ServiceAccount = Field(default_factory=ServiceAccount)
-    rbac: bool = Field(True, description="Create the operator's ClusterRole and binding (least privilege).")
+    rbac: bool = Field(
+        True,
+        description="Create the operator's RBAC (least privilege): with watchNamespaces a Role per namespace and a "
+        "ClusterRole that only reads CRDs and namespaces; without, one ClusterRole.",
+    )
     resources: dict[str, dict[str, str]] = Field(default_factory=dict, description="The operator pod's resources.")
     nodeSelector: dict[str, str] = Field(default_factory=dict, description="The operator pod's node selector.")
     tolerations: list[dict[str, Any]] = Field(
@@ -112,8 +116,9 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
 GENERATED = {
     CHART / "values.schema.json": lambda: json.dumps(values_schema(), indent=2) + "\n",
     CHART / "files" / "operator-rules.yaml": lambda: (
-        "# Generated from OPERATOR_RULES (services/reinforce/operator/rbac.py) by `make generate`.\n"
-        + yaml.safe_dump(OPERATOR_RULES, sort_keys=False)
+        "# Generated from services/reinforce/operator/rbac.py by `make generate`. cluster: always in the\n"
+        "# ClusterRole; namespaced: in a Role per watchNamespaces entry, or in the ClusterRole without them.\n"
+        + yaml.safe_dump({"cluster": CLUSTER_RULES, "namespaced": NAMESPACED_RULES}, sort_keys=False)
     ),
 }
 

@@ -21,10 +21,12 @@ from generate.chart_values import CHART, ChartValues
 from generate.dashboards import ALERTS
 from generate.operator_manifest import OPERATOR_RULES
 from reinforce.core.names import PROMETHEUS_COMPONENT_LABEL, PROMETHEUS_INSTANCE_LABEL, PROMETHEUS_RUN_LABEL
+from reinforce.operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
 
 # The newest schemas kubernetes-validate ships that are closest to the test server's 1.20; every kind the
 # chart renders is served, with the same schema, by both.
 VALIDATE_VERSION = "1.25.0"
+RUNS_NAMESPACE = "chart-runs"  # where the installed chart's operator runs ReinforceRuns
 MONITORING_APIS = [
     "monitoring.coreos.com/v1/ServiceMonitor",
     "monitoring.coreos.com/v1/PodMonitor",
@@ -102,6 +104,29 @@ def test_namespaces_and_operator_config_reach_the_operator() -> None:
     assert yaml.safe_load(config["data"]["operator.yaml"])["images"]["trainer"] == "mine:2"
 
 
+def test_watch_namespaces_get_roles_and_nothing_cluster_wide_touches_secrets_or_workloads() -> None:
+    """R3-10: an operator limited to some namespaces can read or create no Secret and create no workload elsewhere."""
+    objects = render("--set", "watchNamespaces={team-a,team-b}")
+    for obj in objects:
+        kubernetes_validate.validate(obj, VALIDATE_VERSION, strict=True)
+    [cluster_role] = [o for o in objects if o["kind"] == "ClusterRole"]
+    assert cluster_role["rules"] == CLUSTER_RULES
+    cluster_wide = {
+        (group, resource) for r in cluster_role["rules"] for group in r["apiGroups"] for resource in r["resources"]
+    }
+    assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_role["rules"])  # read-only
+    roles = {o["metadata"]["namespace"]: o for o in objects if o["kind"] == "Role"}
+    assert set(roles) == {"team-a", "team-b"} and all(r["rules"] == NAMESPACED_RULES for r in roles.values())
+    bindings = {o["metadata"]["namespace"]: o for o in objects if o["kind"] == "RoleBinding"}
+    assert set(bindings) == {"team-a", "team-b"}
+    for binding in bindings.values():
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rel-reinforce"}
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "rel-reinforce", "namespace": "reinforce-system"}
+        ]
+
+
 def test_host_network_profile_points_the_operator_at_the_api_server() -> None:
     objects = render(
         "--set", "hostNetwork=true", "--set", "apiServer=127.0.0.1:6443", "--set", "operatorConfig.profile=host-network"
@@ -135,16 +160,20 @@ def test_the_schema_refuses_bad_values_naming_them(setting: str, complaint: str)
 # ---- installed into the real API server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def installed(kube_apiserver: KubeCluster) -> Iterator[str]:  # noqa: F811
-    """`helm install` into namespace reinforce-chart; yields the release's namespace."""
+    """`helm install` into namespace reinforce-chart, watching RUNS_NAMESPACE (so the operator has the namespaced
+    Roles only there); yields the release's namespace."""
     namespace = "reinforce-chart"
     kubeconfig = str(kube_apiserver.admin_kubeconfig)
-    helm("install", "rel", str(CHART), "--namespace", namespace, "--create-namespace", "--kubeconfig", kubeconfig)
+    with kube_apiserver.api_client() as admin:
+        client.CoreV1Api(admin).create_namespace({"metadata": {"name": RUNS_NAMESPACE}})
+    helm("install", "rel", str(CHART), "--namespace", namespace, "--create-namespace", "--kubeconfig", kubeconfig,
+         "--set", f"watchNamespaces={{{RUNS_NAMESPACE}}}")  # fmt: skip
     yield namespace
     helm("uninstall", "rel", "--namespace", namespace, "--kubeconfig", kubeconfig)
 
 
 @pytest.mark.slow
-def _read_or_none(read: Callable[[str, str], Any], name: str, namespace: str = "chart-runs") -> Any:
+def _read_or_none(read: Callable[[str, str], Any], name: str, namespace: str = RUNS_NAMESPACE) -> Any:
     """The object, or None while it does not exist yet (404)."""
     try:
         return read(name, namespace)
@@ -165,8 +194,7 @@ def test_helm_install_then_kubectl_apply_a_run_gets_its_children(
         assert deployment.spec.template.spec.service_account_name == "rel-reinforce"
         install_crd(admin, yaml.safe_load(crd.DEFAULT_OUTPUT.read_text()))  # helm's copy may predate this session
         config = client.CoreV1Api(admin).read_namespaced_config_map("rel-reinforce-config", installed)
-        runs_namespace = "chart-runs"
-        client.CoreV1Api(admin).create_namespace({"metadata": {"name": runs_namespace}})
+        runs_namespace = RUNS_NAMESPACE
 
     # the operator as the chart deploys it: its ServiceAccount's token, its ConfigMap's configuration
     (tmp_path / "operator.yaml").write_text(config.data["operator.yaml"])
