@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.records_pb2 import Prompt, WeightVersion
 from reinforce.core.reward_client import RewardFunctionError
+from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.core.weights import publish
@@ -307,3 +308,39 @@ def test_a_failing_reward_function_costs_the_batch_its_rewards_not_the_generator
     assert group.prompt_id == "0-0" and all(math.isnan(s.reward) for s in group.samples)
     assert gen.queue.read_prompts(gen.name, count=10, block_ms=0, pending=True) == []  # acknowledged
     assert "reinforce_generator_reward_failures_total 4.0" in generate_latest(gen.metrics.registry).decode()
+
+
+# Bytes that protobuf refuses as a WeightVersion (a field tag with an invalid wire type): what issue #30 wrote there.
+GARBAGE = b"\xff\xff\xff\xff not a record"
+
+
+def test_garbage_in_the_published_weights_key_is_waited_out_like_an_outage(
+    http: TestClient, gen: Generator, spec: RunSpec
+) -> None:
+    """Issue #30, R3-6: undecodable bytes in the run's weights key neither kill the generator nor lose its
+    prompts; a weight request is refused (409) naming the key, each read is counted, and the next publish heals it."""
+    gen.queue.client.set(gen.queue.weights_key, GARBAGE)
+    entries = [("1-0", Prompt(id="1-0", step=0, policy_version=0, token_ids=[1]))]
+    assert gen.split_by_version(entries) == ([], entries)  # held, not sampled and not acknowledged as stale
+    body = MessageToDict(WeightVersion(version=1, uri="/nowhere", sha256="0" * 64))
+    reply = http.post("/v1/weights", json=body, headers=AUTH)
+    assert reply.status_code == 409 and gen.queue.weights_key in reply.json()["error"], reply.text
+    metrics = generate_latest(gen.metrics.registry).decode()
+    assert "reinforce_generator_unreadable_weight_records_total 2.0" in metrics
+    post(http, publish_in_run(gen, perturbed_policy(spec, seed=4), version=0))  # the trainer publishes again
+    assert gen.split_by_version(entries) == (entries, [])
+
+
+def test_the_weight_reconciler_rides_out_garbage_in_the_weights_key(gen: Generator) -> None:
+    """Issue #30, R3-6: the reconciler the supervisor and the operator run counts the unreadable record and goes
+    on; before, its DecodeError ended the supervisor."""
+    reconciler = WeightReconciler(gen.queue, {}, TOKEN)
+    try:
+        gen.queue.client.set(gen.queue.weights_key, GARBAGE)
+        assert reconciler.reconcile_once() == (None, [])
+        assert reconciler.reconcile_once() == (None, [])
+        assert reconciler.read_failures == 2
+        gen.queue.publish_weights(WeightVersion(version=3, uri="/w", sha256="0" * 64))
+        assert reconciler.reconcile_once() == (3, [])
+    finally:
+        reconciler.close()

@@ -168,6 +168,11 @@ class GeneratorMetrics:
         self.nonfinite_rewards = Counter(
             PREFIX + "generator_nonfinite_rewards", "Rewards that came back NaN or infinite.", registry=r
         )
+        self.unreadable_weight_records = Counter(
+            PREFIX + "generator_unreadable_weight_records",
+            "Reads of the run's published weight version that did not decode; prompts wait as in a Redis outage.",
+            registry=r,
+        )
 
 
 class CriticMetrics:

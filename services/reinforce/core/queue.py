@@ -129,6 +129,10 @@ class OutageRetry(Retry):
                 self.stopping.wait(min(self._backoff.compute(failures), left))
 
 
+class UnreadableRecord(ValueError):
+    """A record stored under a plain key (not a stream entry, which is dead-lettered) that does not decode."""
+
+
 class RolloutQueue:
     """Prompts out to generators, rollout groups back to the trainer, and the latest weight version."""
 
@@ -252,11 +256,18 @@ class RolloutQueue:
         self.client.set(self.weights_key, weights.SerializeToString())
 
     def latest_weights(self) -> WeightVersion | None:
+        """The published version, None before the first; UnreadableRecord if the key holds bytes that do not decode
+        (readers treat that like an outage: the trainer's next publish overwrites it)."""
         raw = self.client.get(self.weights_key)
         if raw is None:
             return None
         weights = WeightVersion()
-        weights.ParseFromString(raw)
+        try:
+            weights.ParseFromString(raw)
+        except DecodeError as err:
+            raise UnreadableRecord(
+                f"{self.weights_key} holds {len(raw)} bytes that are not a WeightVersion: {err}"
+            ) from err
         return weights
 
     # --- metrics ------------------------------------------------------------------------------------

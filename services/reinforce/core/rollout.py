@@ -21,10 +21,12 @@ import redis
 from google.protobuf.json_format import MessageToDict
 
 from reinforce.core.names import CONTROL_TOKEN_ENV
-from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
+from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import WeightVersion
 
 log = logging.getLogger("reinforce.rollout")
+# A failing read is logged the first time and every this many times after (a pass runs every 50-100 ms).
+_LOG_EVERY = 100
 
 
 def weight_version_json(weights: WeightVersion) -> dict:
@@ -56,6 +58,7 @@ class WeightReconciler:
         self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {control_token}"})
         self.resync_s = resync_s
         self.states: list[GeneratorWeights] = []
+        self.read_failures = 0  # passes that could not read the published version (an outage, an unreadable record)
         self._last_pass = -float("inf")
 
     def retarget(self, generator_urls: dict[str, str]) -> None:
@@ -68,8 +71,10 @@ class WeightReconciler:
         """Returns the published version and each generator's loaded version as last seen."""
         try:
             latest = self.queue.latest_weights()
-        except redis.RedisError as err:  # Redis restarting: converge on a later pass
-            log.warning("cannot read the published weight version: %s", err)
+        except (redis.RedisError, UnreadableRecord) as err:  # Redis restarting, or garbage in the key: a later pass
+            self.read_failures += 1
+            if self.read_failures == 1 or self.read_failures % _LOG_EVERY == 0:
+                log.warning("cannot read the published weight version (%d times): %s", self.read_failures, err)
             return None, self.states
         version = latest.version if latest is not None else None
         if self._converged(version) and time.monotonic() - self._last_pass < self.resync_s:

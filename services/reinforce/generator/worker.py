@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
-from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
+from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
@@ -67,6 +67,7 @@ class WeightState:
     loads: int = 0  # versions loaded since the process started
     desired: WeightVersion | None = None
     last_error: str = ""
+    unreadable: bool = False  # the last read of the published version from Redis did not decode
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -108,7 +109,10 @@ class Generator:
         The reconciler posts what it read from Redis; should the trainer publish again in between, this
         refusal is answered by the reconciler's next pass with the newer version.
         """
-        published = self.queue.latest_weights()
+        try:
+            published = self.published_weights()
+        except UnreadableRecord as err:
+            raise NotPublished(f"weight version {weights.version}: {err}") from err
         if published is None or not _same_record(weights, published):
             raise NotPublished(
                 f"weight version {weights.version} ({weights.uri}) is not the run's published weight version "
@@ -116,6 +120,20 @@ class Generator:
             )
         with self.weights.lock:
             self.weights.desired = weights
+
+    def published_weights(self) -> WeightVersion | None:
+        """The run's published version from Redis. An undecodable record raises UnreadableRecord, counted, and logged
+        once per spell of them: callers wait as for a Redis outage, until the trainer's next publish replaces it."""
+        try:
+            latest = self.queue.latest_weights()
+        except UnreadableRecord as err:
+            self.metrics.unreadable_weight_records.inc()
+            if not self.weights.unreadable:
+                log.error("%s; waiting for the trainer to publish again", err)
+            self.weights.unreadable = True
+            raise
+        self.weights.unreadable = False
+        return latest
 
     def apply_desired_weights(self) -> None:
         """Between batches: load the desired version if it differs; a bad file leaves the old one serving."""
@@ -189,7 +207,10 @@ class Generator:
         if not entries:
             return [], []
         # The trainer publishes a version before it enqueues prompts that need it.
-        latest = self.queue.latest_weights()
+        try:
+            latest = self.published_weights()
+        except UnreadableRecord:  # like an outage: nothing is sampled or dropped until a publish heals it
+            return [], entries
         published = latest.version if latest is not None else 0
         stale = [entry_id for entry_id, p in entries if p.step < published or p.policy_version > published]
         if stale:
