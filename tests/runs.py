@@ -52,13 +52,16 @@ def write_spec(folder: Path, example: str = "tiny", **overrides: dict) -> Path:
     return path
 
 
-def reinforce(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reinforce", *args], capture_output=True, text=True, timeout=timeout)
+def reinforce(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`reinforce ARGS` to its end (`env`: its whole environment; default: this process's)."""
+    argv = [sys.executable, "-m", "reinforce", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def start(*args: str) -> subprocess.Popen:
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`reinforce ARGS` in the background (`env`: its whole environment; default: this process's)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "reinforce", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "reinforce", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
 
 

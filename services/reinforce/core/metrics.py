@@ -7,6 +7,7 @@ name with the prefix `reinforce_` and `/` turned into `_` (`reinforce_train_roll
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from reinforce.core.names import PROMETHEUS_COMPONENT_LABEL, PROMETHEUS_INSTANCE_LABEL, PROMETHEUS_RUN_LABEL
 
 PREFIX = "reinforce_"
+log = logging.getLogger(__name__)
 
 # name -> meaning. The trainer sets each of these once per step.
 STEP_METRICS: dict[str, str] = {
@@ -37,8 +39,12 @@ STEP_METRICS: dict[str, str] = {
     "for the same weights (training.max_logprob_mismatch): not sampled by the published weights.",
     "train_rollouts/policy_lag": "Mean of (trained weight version - version that sampled the group).",
     "train_rollouts/policy_lag_max": "Largest policy lag of the step's groups (never above max_policy_lag).",
-    "train_rollouts/dropped_stale_groups": "Groups dropped so far for being more than max_policy_lag versions old.",
-    "train_rollouts/importance_weight_mean": "Mean truncated importance weight min(pi/mu, cap) (asynchronous mode).",
+    "train_rollouts/dropped_stale_groups": "Groups dropped during the step for being more than max_policy_lag "
+    "versions old (their prompts enqueued again).",
+    "train_rollouts/invalid_groups": "Groups dead-lettered during the step because they did not fit the run (sample "
+    "count, token ids, lengths, log-probs, weight version; the reason is in the dead-letter stream).",
+    "train_rollouts/importance_weight_mean": "Mean truncated importance weight min(pi/mu, cap) (asynchronous mode); "
+    "with policy_loss clip or gspo the mean ratio before clipping.",
     "train_rollouts/importance_weight_max": "Largest truncated importance weight of the step (asynchronous mode).",
     "train_rollouts/importance_weight_capped_fraction": "Fraction of tokens whose importance weight hit the cap.",
     "train_optim/loss": "reinforce: the REINFORCE loss (masked token mean).",
@@ -46,11 +52,20 @@ STEP_METRICS: dict[str, str] = {
     "train_optim/critic_loss": "ppo: the critic's clipped value loss, mean over its minibatch steps.",
     "train_optim/critic_grad_norm": "ppo: the critic's gradient norm before clipping, mean over its minibatch steps.",
     "train_optim/ppo_ratio": "ppo: mean ratio pi / pi_old over response tokens.",
-    "train_optim/ppo_ratio_clamped": "ppo: mean of the ratio clamped to [1 - ratio_eps, 1 + ratio_eps].",
-    "train_optim/ppo_clip_fraction": "ppo: fraction of tokens whose clipped term won (no gradient from them).",
+    "train_optim/ppo_ratio_clamped": "ppo: mean of the ratio clamped to [1 - eps_low, 1 + eps_high].",
+    "train_optim/ppo_clip_fraction": "ppo, and reinforce with policy_loss clip or gspo: fraction of tokens whose "
+    "clipped term won (no gradient from them).",
+    "train_rollouts/overlong_penalty": "reinforce: mean overlong reward shaping of the kept samples "
+    "(algorithm.overlong_buffer; 0 without).",
+    "train_rollouts/filtered_groups": "Groups filtered by dynamic sampling (all rewards equal): acknowledged, "
+    "recorded in trained_groups.jsonl, not trained; a new prompt replaced each.",
     "train_optim/entropy": "ppo: mean entropy of the policy's token distributions.",
     "train_optim/grad_norm": "Global gradient norm before clipping.",
     "train_optim/lr": "Learning rate used by the step.",
+    "train_optim/skipped_nonfinite_steps": "Optimizer steps of the step skipped because the gradient norm was NaN "
+    "or infinite (the weights stay as they were; the learning-rate schedule advances).",
+    "train_optim/skipped_empty_steps": "1 when the step was skipped because every sample was dropped (no finite "
+    "reward), else 0.",
     "timers/rollout_time": "Seconds from enqueueing the step's prompts to receiving its last rollout group.",
     "timers/generate": "Generator seconds spent sampling the step's groups (summed over generators).",
     "timers/reward": "Generator seconds spent waiting for the reward server for the step's groups.",
@@ -207,13 +222,37 @@ class CriticMetrics:
         )
 
 
-def read_metrics(jsonl_path: Path) -> list[dict[str, float]]:
-    """The rows of a metrics.jsonl (the supervisor's progress bar, plots and tests read it)."""
+def read_metrics(jsonl_path: Path) -> list[dict[str, float | None]]:
+    """The rows of a metrics.jsonl (the supervisor's progress bar, plots and tests read it).
+
+    A value is None where the step's was NaN or infinite (every reward of the step failed, an overflowing
+    mean): readers show it as missing. A line that is not a JSON object with a step (a disk that filled
+    mid-write) is skipped with a warning: a display never stops a run.
+    """
     if not jsonl_path.exists():
         return []
     # A last line without its newline is still being written by the trainer: it is read next time.
-    complete = jsonl_path.read_text().rpartition("\n")[0]
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    complete = jsonl_path.read_text(errors="replace").rpartition("\n")[0]
+    rows = []
+    for number, line in enumerate(complete.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get(STEP), int):
+            rows.append(row)
+        else:
+            log.warning("%s line %d is not a metrics row: skipped", jsonl_path, number)
+    return rows
+
+
+def shown(value: float | None, spec: str) -> str:
+    """A metric for people: formatted, or "-" where the step had none (null in metrics.jsonl, NaN, inf)."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    return format(value, spec)
 
 
 def file_sd_target(run: str, component: str, instance: str, address: str) -> dict:

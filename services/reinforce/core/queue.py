@@ -136,7 +136,8 @@ class UnreadableRecord(ValueError):
 class RolloutQueue:
     """Prompts out to generators, rollout groups back to the trainer, and the latest weight version."""
 
-    def __init__(self, client: redis.Redis, run_name: str) -> None:
+    def __init__(self, client: redis.Redis, run_name: str, max_record_bytes: int | None = None) -> None:
+        """max_record_bytes: a larger entry is dead-lettered unparsed (the trainer sets it from the spec)."""
         if not _RUN_NAME.match(run_name):
             raise ValueError(f"run name {run_name!r} must be letters, digits, '.', '_' or '-'")
         kwargs = client.connection_pool.connection_kwargs
@@ -151,6 +152,7 @@ class RolloutQueue:
         self.deadletter_key = self.prefix + "deadletter"
         self.validation_key = self.prefix + "validation"
         self._socket_timeout: float | None = kwargs.get("socket_timeout")
+        self.max_record_bytes = max_record_bytes
 
     # --- setup and teardown -------------------------------------------------------------------------
 
@@ -337,12 +339,16 @@ class RolloutQueue:
         good: list[tuple[str, M]] = []
         for raw_id, fields in entries:
             entry_id = _text(raw_id)
-            record, reason = _decode(fields, cls)
+            record, reason = _decode(fields, cls, self.max_record_bytes)
             if record is None:
                 self._dead_letter(key, group, entry_id, reason, (fields or {}).get(DATA_FIELD, b""))
             else:
                 good.append((entry_id, record))
         return good
+
+    def dead_letter_rollout(self, entry_id: str, group: RolloutGroup, reason: str) -> None:
+        """Move a rollout group that decoded but cannot be trained on aside, with the reason, and acknowledge it."""
+        self._dead_letter(self.rollouts_key, TRAINER_GROUP, entry_id, reason, group.SerializeToString())
 
     def _dead_letter(self, key: str, group: str, entry_id: str, reason: str, data: bytes) -> None:
         """Move a bad entry aside and ack it, atomically, so no reader ever sees it again."""
@@ -363,10 +369,12 @@ class RolloutQueue:
         return int(acked)
 
 
-def _decode(fields: dict[bytes, bytes] | None, cls: type[M]) -> tuple[M | None, str]:
+def _decode(fields: dict[bytes, bytes] | None, cls: type[M], max_bytes: int | None) -> tuple[M | None, str]:
     """The record in an entry, or None and why not."""
     if not fields or DATA_FIELD not in fields:
         return None, "missing 'data' field"
+    if max_bytes is not None and len(fields[DATA_FIELD]) > max_bytes:
+        return None, f"{cls.__name__} of {len(fields[DATA_FIELD])} bytes, more than this run's {max_bytes}"
     record = cls()
     try:
         record.ParseFromString(fields[DATA_FIELD])

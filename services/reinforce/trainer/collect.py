@@ -14,8 +14,12 @@ from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.dynamic_sampling import GroupFilter
+from reinforce.trainer.group_check import GroupLimits, group_problem, identity_problem
 
 log = logging.getLogger("reinforce.trainer")
+# Per-step counts of the groups the collector dropped (step metrics, summed over data-parallel ranks).
+COLLECT_COUNTS = ("train_rollouts/dropped_stale_groups", "train_rollouts/invalid_groups")
 
 
 def share_groups(ranks: Ranks, groups: list[RolloutGroup]) -> list[RolloutGroup]:
@@ -36,16 +40,31 @@ class GroupCollector:
         consumer: str,
         ranks: Ranks,
         prompt_of: Callable[[RolloutGroup], Prompt],
+        enqueued: Callable[[str], Prompt | None],
+        limits: GroupLimits,
         stopping: threading.Event,
+        group_filter: GroupFilter | None = None,
     ) -> None:
+        """prompt_of: a group's prompt, rebuilt to enqueue it again; enqueued: the prompt the trainer enqueued
+        under an id (None where this process does not know it); limits: what a well-formed group looks like;
+        group_filter: dynamic sampling's (algorithm.dynamic_sampling)."""
         self.spec = spec
         self.queue = queue
         self.consumer = consumer
         self.ranks = ranks
         self.prompt_of = prompt_of
+        self.enqueued = enqueued
+        self.limits = limits
         self.stopping = stopping
+        self.group_filter = group_filter
         self.early: dict[str, tuple[str, RolloutGroup]] = {}  # groups of later steps that arrived early
-        self.dropped_groups = 0
+        self.counts = dict.fromkeys(COLLECT_COUNTS, 0)  # since the last take_counts()
+
+    def take_counts(self) -> dict[str, float]:
+        """The step metrics of the groups dropped since the last call (per step, this rank's)."""
+        counts = {name: float(n) for name, n in self.counts.items()}
+        self.counts = dict.fromkeys(COLLECT_COUNTS, 0)
+        return counts
 
     def collect_groups(self, step: int) -> tuple[list[str], list[RolloutGroup]]:
         """This data-parallel rank's groups of `step`, in prompt order, on every process of its replica (the entry
@@ -61,7 +80,10 @@ class GroupCollector:
         versions old is dropped, counted, and its prompt enqueued again.
         """
         # Prompt ids are "<step>-<index>"; each rank trains an equal share of the step's groups.
-        order = {f"{step}-{i}": i for i in range(self.spec.training.prompts_per_step)}
+        enqueued = self.spec.training.prompts_per_step
+        if self.group_filter is not None:
+            enqueued = self.group_filter.prompts_per_step(enqueued)
+        order = {f"{step}-{i}": i for i in range(enqueued)}
         share = self.spec.training.prompts_per_step // self.ranks.world
         groups: dict[str, tuple[str, RolloutGroup]] = {pid: self.early.pop(pid) for pid in order if pid in self.early}
         while len(groups) < share:
@@ -75,17 +97,37 @@ class GroupCollector:
 
     def sort_group(self, step: int, order: dict[str, int], groups: dict, entry_id: str, group: RolloutGroup) -> None:
         lag_limit = self.spec.algorithm.max_policy_lag
-        if group.prompt_id in order and group.prompt_id not in groups:
+        current = group.prompt_id in order and group.prompt_id not in groups
+        early = step < group.step <= step + lag_limit and group.prompt_id not in self.early
+        if (current or early) and self.refused(step, entry_id, group):
+            return
+        if current:
             if step - group.policy_version <= lag_limit:
-                groups[group.prompt_id] = (entry_id, group)
+                if self.group_filter is None or not self.group_filter.filters(step, entry_id, group):
+                    groups[group.prompt_id] = (entry_id, group)
                 return
             log.warning("group %s is %d versions old: dropped, prompt re-enqueued", group.prompt_id,
                         step - group.policy_version)  # fmt: skip
-            self.dropped_groups += 1
+            self.counts["train_rollouts/dropped_stale_groups"] += 1
             self.queue.put_prompts([self.prompt_of(group)])
-        elif step < group.step <= step + lag_limit and group.prompt_id not in self.early:
+        elif early:
             self.early[group.prompt_id] = (entry_id, group)
             return
         else:
             log.warning("dropping stale or duplicate rollout group %s", group.prompt_id)
         self.queue.ack_rollouts([entry_id])
+
+    def refused(self, step: int, entry_id: str, group: RolloutGroup) -> bool:
+        """Dead-letter a group that cannot be trained on (trainer/group_check.py), with its reason. If it names a
+        prompt of this run, that prompt is enqueued again (as enqueued, where this process knows it) so that its
+        step still gets a group."""
+        enqueued = self.enqueued(group.prompt_id)
+        problem = group_problem(group, self.limits, published=step, enqueued=enqueued)
+        if not problem:
+            return False
+        log.warning("rollout group %s from %s refused: %s", group.prompt_id, group.generator_id or "?", problem)
+        self.counts["train_rollouts/invalid_groups"] += 1
+        self.queue.dead_letter_rollout(entry_id, group, problem)
+        if not identity_problem(group, self.limits):
+            self.queue.put_prompts([enqueued or self.prompt_of(group)])
+        return True

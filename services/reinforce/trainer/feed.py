@@ -62,6 +62,12 @@ class PromptFeeder:
             seed=prompt_seed(self.spec.seed, group.prompt_id),
         )
 
+    def enqueued(self, prompt_id: str) -> Prompt | None:
+        """The prompt enqueued under `prompt_id` if its step is in flight here (only the main rank enqueues)."""
+        step, _, _ = prompt_id.partition("-")
+        prompts = self.in_flight.get(int(step)) if step.isdigit() else None
+        return next((p for p in prompts or () if p.id == prompt_id), None)
+
     def enqueue_prompts(self, step: int) -> list[Prompt]:
         """Enqueue a step's prompts_per_step prompts.
 
@@ -71,14 +77,28 @@ class PromptFeeder:
         An over-long prompt is truncated, or with on_long_prompt "skip" replaced by the cursor's next one,
         so every step still has prompts_per_step prompts. The counts go to `self.data_stats` (step metrics).
         """
+        self.data_stats[step] = dict.fromkeys(DATA_STATS, 0.0)
+        prompts = self.draw(step, self.spec.training.prompts_per_step, first_index=0)
+        self.queue.put_prompts(prompts)
+        return prompts
+
+    def enqueue_replacement(self, step: int) -> None:
+        """Enqueue one more prompt for the in-flight `step` (dynamic sampling filtered one of its groups), with the
+        next index: "<step>-<prompts_per_step + n>" for the n-th replacement."""
+        prompts = self.draw(step, 1, first_index=len(self.in_flight[step]))
+        self.in_flight[step] += prompts
+        self.queue.put_prompts(prompts)
+
+    def draw(self, step: int, count: int, first_index: int) -> list[Prompt]:
+        """The cursor's next `count` prompts as the step's prompts first_index, first_index + 1, ...; the data
+        metrics are added to the step's."""
         k = self.spec.algorithm.num_rollouts_per_prompt
         batch = self.cursor.take_encoded(
-            self.spec.training.prompts_per_step,
-            lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data),
+            count, lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data)
         )
         prompts = []
         oldest_version = max(0, step - self.spec.algorithm.max_policy_lag)
-        for i, (text, token_ids) in enumerate(batch.prompts):
+        for i, (text, token_ids) in enumerate(batch.prompts, start=first_index):
             prompt_id = f"{step}-{i}"
             prompts.append(
                 Prompt(
@@ -91,9 +111,7 @@ class PromptFeeder:
                     seed=prompt_seed(self.spec.seed, prompt_id),
                 )
             )
-        self.data_stats[step] = {
-            "data/truncated_prompts": float(batch.truncated),
-            "data/skipped_long_prompts": float(batch.skipped),
-        }
-        self.queue.put_prompts(prompts)
+        stats = self.data_stats[step]
+        stats["data/truncated_prompts"] += batch.truncated
+        stats["data/skipped_long_prompts"] += batch.skipped
         return prompts

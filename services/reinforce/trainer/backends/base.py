@@ -34,6 +34,9 @@ class TrainerBackend(ABC):
     # True: the state is split over the processes, each saves and loads its part (save_state is called on every
     # process); False: the main process saves the whole state.
     sharded: ClassVar[bool] = False
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    skipped_nonfinite_steps = 0  # optimizer steps skipped for a non-finite gradient norm, in this process's life
 
     @abstractmethod
     def policy_logprobs(
@@ -53,12 +56,39 @@ class TrainerBackend(ABC):
     ) -> torch.Tensor:
         """log pi_ref of each response token [B, T] under the frozen initial policy (no gradient)."""
 
-    @abstractmethod
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     @abstractmethod
     def optimizer_step(self) -> tuple[float, float]:
-        """Sum gradients over data-parallel ranks, clip, step the optimizer and the schedule: (grad norm, lr)."""
+        """Sum gradients over data-parallel ranks, clip, step the optimizer and the schedule (`step_if_finite`):
+        (grad norm, lr)."""
+
+    def step_if_finite(self, grad_norm: torch.Tensor) -> tuple[float, float]:
+        """Step the optimizer, unless the gradient norm is NaN or infinite; always step the schedule.
+
+        One NaN log-prob or a bf16 overflow makes the whole gradient non-finite, and one such step would make
+        every weight NaN, be published to the generators and be checkpointed. Its gradients are thrown away
+        instead and the step counted (`train_optim/skipped_nonfinite_steps`); the norm is the same on every
+        process (gradients are summed and the norm reduced first), so all of them skip together. The schedule
+        still advances: the learning rate stays a function of the step number, as a resume computes it.
+        """
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.zero_grad()
+            self.skipped_nonfinite_steps += 1
+        self.scheduler.step()
+        return grad_norm.item(), lr
+
+    def skip_step(self) -> float:
+        """A step with nothing to learn from (every sample dropped): no optimizer step, the schedule advances
+        as in `step_if_finite`. The step's learning rate."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.zero_grad()
+        self.scheduler.step()
+        return lr
 
     @abstractmethod
     def publishable_model(self) -> torch.nn.Module | None:

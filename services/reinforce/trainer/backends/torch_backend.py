@@ -96,16 +96,10 @@ class TorchBackend(TrainerBackend):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def optimizer_step(self) -> tuple[float, float]:
         self.ranks.sum_gradients(self.trainable_parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.training.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        return grad_norm.item(), lr
+        return self.step_if_finite(grad_norm)
 
     def publishable_model(self) -> torch.nn.Module:
         return self.policy

@@ -78,17 +78,11 @@ class MegatronBackend(TrainerBackend):
     ) -> torch.Tensor:
         return response_logprobs(self.reference, prompt_ids, response_ids, temperature)[0]
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def optimizer_step(self) -> tuple[float, float]:
         parameters = list(self.policy.parameters())
         self.ranks.sum_gradients(parameters)
         grad_norm = clip_grad_norm_(parameters, self.training.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        return grad_norm.item(), lr
+        return self.step_if_finite(grad_norm)
 
     def publishable_model(self) -> torch.nn.Module | None:
         """The gathered policy as the HF model on the main process; None on the others. Every process of the

@@ -1,0 +1,88 @@
+"""Rollout groups are checked when the trainer reads them, against a real Redis (issue 30: R3-3, R3-4, R3-5, R3-18).
+
+A group that does not fit the run goes to the dead-letter stream with its reason, its prompt is enqueued again,
+and the step is trained on the well-formed groups: no crash, no restart, no forward pass spent on it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import redis
+
+from reinforce.core.queue import DATA_FIELD, RolloutQueue
+from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample
+from reinforce.core.spec import RunSpec
+from reinforce.trainer.collect import GroupCollector
+from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.group_check import GroupLimits, max_group_bytes
+
+SPEC = RunSpec.model_validate(
+    {
+        "name": "checked",
+        "policy": {"random_init": {"hidden_size": 16, "intermediate_size": 16, "num_layers": 1}},
+        "data": {"prompts": "unused.txt", "max_prompt_tokens": 8},
+        "algorithm": {"num_rollouts_per_prompt": 2, "max_policy_lag": 1},
+        "generation": {"max_new_tokens": 4},
+        "training": {"prompts_per_step": 2},
+    }
+)
+LIMITS = GroupLimits.of(SPEC, vocab_size=35)
+
+
+def group(prompt_id: str, step: int = 0, version: int = 0, logprob: float = -1.0) -> RolloutGroup:
+    samples = [Sample(token_ids=[5, 6], logprobs=[logprob, -0.5], reward=1.0, is_end=True) for _ in range(2)]
+    return RolloutGroup(prompt_id=prompt_id, step=step, policy_version=version, prompt_token_ids=[1, 2],
+                        prompt_text="p", samples=samples)  # fmt: skip
+
+
+def collector(queue: RolloutQueue) -> GroupCollector:
+    def prompt_of(g: RolloutGroup) -> Prompt:
+        return Prompt(id=g.prompt_id, step=g.step, token_ids=g.prompt_token_ids, text=g.prompt_text)
+
+    return GroupCollector(SPEC, queue, "trainer-0", Ranks(), prompt_of, lambda _: None, LIMITS, threading.Event())
+
+
+def test_malformed_groups_are_dead_lettered_with_their_reason_and_their_prompts_enqueued_again(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    queue = RolloutQueue(client, "checked", max_record_bytes=max_group_bytes(LIMITS))
+    queue.ensure_groups()
+    queue.put_rollout(group("0-0", logprob=math.nan))  # R3-4
+    queue.put_rollout(group("0-1", version=999_999))  # R3-3: a version the trainer never published
+    client.xadd(queue.rollouts_key, {DATA_FIELD: b"\x0a" + b"x" * (max_group_bytes(LIMITS) + 10)})  # R3-5: oversized
+    queue.put_rollout(group("0-0"))
+    queue.put_rollout(group("1-0", step=1, logprob=math.nan))  # an early group of the next step is checked too
+    queue.put_rollout(group("0-1"))
+
+    reader = collector(queue)
+    _, groups = reader.read_groups(0)
+
+    assert [g.prompt_id for g in groups] == ["0-0", "0-1"]
+    assert all(math.isfinite(x) and g.policy_version == 0 for g in groups for s in g.samples for x in s.logprobs)
+    reasons = [fields[b"reason"].decode() for _, fields in client.xrange(queue.deadletter_key)]
+    assert len(reasons) == 4
+    assert "sample 0: a log-prob that is NaN" in reasons[0]
+    assert "policy_version 999999 was never published (newest: 0)" in reasons[1]
+    assert "more than this run's" in reasons[2]
+    # R3-18: per-step counts, not running totals (the oversized one never decoded: queue/dead_letters counts it)
+    assert reader.take_counts() == {"train_rollouts/dropped_stale_groups": 0.0, "train_rollouts/invalid_groups": 3.0}
+    assert reader.take_counts()["train_rollouts/invalid_groups"] == 0.0
+    enqueued_again = [p.id for _, p in queue.read_prompts("g", count=10, block_ms=0)]
+    assert sorted(enqueued_again) == ["0-0", "0-1", "1-0"]
+
+
+def test_stale_groups_are_counted_per_step(redis_url):
+    """R3-18: dropped_stale_groups was a running total reported as a step's value."""
+    queue = RolloutQueue(redis.Redis.from_url(redis_url), "checked")
+    queue.ensure_groups()
+    reader = collector(queue)
+    queue.put_rollout(group("3-0", step=3, version=1))  # 2 versions old with max_policy_lag 1
+    queue.put_rollout(group("3-0", step=3, version=3))
+    queue.put_rollout(group("3-1", step=3, version=3))
+    reader.read_groups(3)
+    assert reader.take_counts()["train_rollouts/dropped_stale_groups"] == 1.0
+    queue.put_rollout(group("4-0", step=4, version=4))
+    queue.put_rollout(group("4-1", step=4, version=4))
+    reader.read_groups(4)
+    assert reader.take_counts()["train_rollouts/dropped_stale_groups"] == 0.0
