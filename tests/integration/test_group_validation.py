@@ -22,7 +22,7 @@ SPEC = RunSpec.model_validate(
     {
         "name": "checked",
         "policy": {"random_init": {"hidden_size": 16, "intermediate_size": 16, "num_layers": 1}},
-        "data": {"prompts": "unused.txt", "max_prompt_tokens": 8},
+        "data": {"prompts": "unused.txt", "max_prompt_tokens": 8, "chat_template": False},
         "algorithm": {"num_rollouts_per_prompt": 2, "max_policy_lag": 1},
         "generation": {"max_new_tokens": 4},
         "training": {"prompts_per_step": 2},
@@ -86,3 +86,37 @@ def test_stale_groups_are_counted_per_step(redis_url):
     queue.put_rollout(group("4-1", step=4, version=4))
     reader.read_groups(4)
     assert reader.take_counts()["train_rollouts/dropped_stale_groups"] == 0.0
+
+
+def test_a_malformed_validation_group_is_dead_lettered_and_its_prompt_enqueued_again(redis_url, tmp_path):
+    from reinforce.core.models import load_tokenizer, materialize_policy
+    from reinforce.core.run_dir import RunPaths
+    from reinforce.trainer.backends import build_backend
+    from reinforce.trainer.validation import Validator
+
+    (tmp_path / "val.txt").write_text("abc\n")
+    spec = SPEC.model_copy(
+        update={"data": SPEC.data.model_copy(update={"validation_prompts": str(tmp_path / "val.txt")})}
+    )
+    materialize_policy(spec.policy, tmp_path / "policy", seed=0)
+    client = redis.Redis.from_url(redis_url)
+    queue = RolloutQueue(client, "checked")
+    queue.ensure_groups()
+    backend = build_backend(spec.training, tmp_path / "policy", Ranks())
+    validator = Validator(spec, load_tokenizer(tmp_path / "policy"), queue, backend, RunPaths(tmp_path / "run"),
+                          "trainer-0", threading.Event(), Ranks(), LIMITS)  # fmt: skip
+    validator.start(0)
+    [(_, prompt)] = queue.read_prompts("g", count=10, block_ms=0)
+
+    def answer(token: int) -> RolloutGroup:
+        sample = Sample(token_ids=[token], logprobs=[-1.0], reward=1.0, is_end=True)
+        return RolloutGroup(prompt_id=prompt.id, step=0, policy_version=0, prompt_text=prompt.text,
+                            prompt_token_ids=prompt.token_ids, samples=[sample], kind=prompt.kind)  # fmt: skip
+
+    client.xadd(queue.validation_key, {DATA_FIELD: answer(1_000_000).SerializeToString()})
+    client.xadd(queue.validation_key, {DATA_FIELD: answer(5).SerializeToString()})
+    groups, _ = validator.wait_for_groups(0)
+    assert [list(g.samples[0].token_ids) for g in groups] == [[5]]
+    [(_, letter)] = client.xrange(queue.deadletter_key)
+    assert b"outside the vocabulary" in letter[b"reason"] and letter[b"stream"] == queue.validation_key.encode()
+    assert [p.id for _, p in queue.read_prompts("g", count=10, block_ms=0)] == [prompt.id]

@@ -42,7 +42,7 @@ def _broken(change) -> RolloutGroup:
         (lambda g: g.samples[1].logprobs.__setitem__(0, math.nan), "sample 1: a log-prob that is NaN"),
         (lambda g: g.samples[0].logprobs.__setitem__(0, 0.5), "above 0"),
         # R3-5: malformed groups that crashed the trainer or blew up its memory
-        (lambda g: g.samples.pop(), "3 samples, expected num_rollouts_per_prompt = 4"),
+        (lambda g: g.samples.pop(), "3 samples, expected 4"),
         (lambda g: g.samples[2].logprobs.extend([-1.0] * 47), "sample 2: 50 log-probs for 3 tokens"),
         (lambda g: g.samples[0].token_ids.__setitem__(1, 1_000_000), "outside the vocabulary [0, 35)"),
         (

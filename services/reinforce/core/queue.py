@@ -346,9 +346,11 @@ class RolloutQueue:
                 good.append((entry_id, record))
         return good
 
-    def dead_letter_rollout(self, entry_id: str, group: RolloutGroup, reason: str) -> None:
-        """Move a rollout group that decoded but cannot be trained on aside, with the reason, and acknowledge it."""
-        self._dead_letter(self.rollouts_key, TRAINER_GROUP, entry_id, reason, group.SerializeToString())
+    def dead_letter_group(self, entry_id: str, group: RolloutGroup, reason: str, validation: bool = False) -> None:
+        """Move a group that decoded but cannot be used aside, with the reason, and acknowledge it; read from the
+        rollouts stream, or with `validation` from the validation stream."""
+        key = self.validation_key if validation else self.rollouts_key
+        self._dead_letter(key, TRAINER_GROUP, entry_id, reason, group.SerializeToString())
 
     def _dead_letter(self, key: str, group: str, entry_id: str, reason: str, data: bytes) -> None:
         """Move a bad entry aside and ack it, atomically, so no reader ever sees it again."""

@@ -127,7 +127,7 @@ class GroupCollector:
             return False
         log.warning("rollout group %s from %s refused: %s", group.prompt_id, group.generator_id or "?", problem)
         self.counts["train_rollouts/invalid_groups"] += 1
-        self.queue.dead_letter_rollout(entry_id, group, problem)
+        self.queue.dead_letter_group(entry_id, group, problem)
         if not identity_problem(group, self.limits):
             self.queue.put_prompts([enqueued or self.prompt_of(group)])
         return True

@@ -54,9 +54,17 @@ def group_problem(group: RolloutGroup, limits: GroupLimits, published: int, enqu
     published; `enqueued`: the prompt the trainer enqueued under the group's id, where this process knows it."""
     return (
         identity_problem(group, limits)
-        or _version_problem(group, limits, published)
-        or _prompt_problem(group, limits, enqueued)
-        or next((p for i, s in enumerate(group.samples) if (p := _sample_problem(i, s, limits))), "")
+        or _version_problem(group, published)
+        or content_problem(group, limits, limits.samples_per_group, enqueued)
+    )
+
+
+def content_problem(group: RolloutGroup, limits: GroupLimits, num_samples: int, enqueued: Prompt | None) -> str:
+    """Why the samples and prompt of `group` cannot be scored ("" when they can): also for validation groups."""
+    if len(group.samples) != num_samples:
+        return f"{len(group.samples)} samples, expected {num_samples}"
+    return _prompt_problem(group, limits, enqueued) or next(
+        (p for i, s in enumerate(group.samples) if (p := _sample_problem(i, s, limits))), ""
     )
 
 
@@ -72,11 +80,9 @@ def identity_problem(group: RolloutGroup, limits: GroupLimits) -> str:
     return ""
 
 
-def _version_problem(group: RolloutGroup, limits: GroupLimits, published: int) -> str:
+def _version_problem(group: RolloutGroup, published: int) -> str:
     if group.policy_version > published:
         return f"policy_version {group.policy_version} was never published (newest: {published})"
-    if len(group.samples) != limits.samples_per_group:
-        return f"{len(group.samples)} samples, expected num_rollouts_per_prompt = {limits.samples_per_group}"
     return ""
 
 
