@@ -11,11 +11,16 @@ from typing import Any
 import yaml
 
 from reinforce.core.names import OPERATOR_APP_NAME
-from reinforce.operator.children import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
+from reinforce.operator.children import (
+    CONTAINER_SECURITY_CONTEXT,
+    DEFAULT_OPERATOR_NAMESPACE,
+    NAMESPACE_NAME_LABEL,
+    POD_SECURITY_CONTEXT,
+)
 from reinforce.operator.rbac import OPERATOR_RULES
 
 OPERATOR_NAME = OPERATOR_APP_NAME
-OPERATOR_NAMESPACE = "reinforce-system"
+OPERATOR_NAMESPACE = DEFAULT_OPERATOR_NAMESPACE  # OperatorConfig's default: no --config needed
 DEFAULT_IMAGE = "reinforce-operator:0.1.0"
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "operator" / "operator.yaml"
 
@@ -73,7 +78,9 @@ def operator_deployment(
 
 
 def operator_manifests(namespace: str = OPERATOR_NAMESPACE) -> list[dict[str, Any]]:
-    namespace_object = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    # The label the runs' NetworkPolicies select the operator's namespace by; Kubernetes sets it itself from 1.21.
+    labels = {NAMESPACE_NAME_LABEL: namespace}
+    namespace_object = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": labels}}
     return [namespace_object, *operator_rbac(namespace), operator_deployment(namespace)]
 
 

@@ -26,6 +26,7 @@ import yaml
 from k8s import HELM, KUBECTL, REPO, example_run, single_node, single_node_skip_reason
 from kubernetes import client, config
 from promserver import Prometheus, assert_every_dashboard_query_answers, wait_until_scraped
+from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
 
 from generate import crd
 from generate.chart_values import CHART
@@ -39,7 +40,6 @@ from reinforce.core.names import (
 )
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.resource import KubernetesSpec
-from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -214,8 +214,8 @@ def write_pod_targets(cluster: Cluster, run: str, targets_file: Path, timeout_s:
     REINFORCE component exists (before the first step: the scrapes of a fast run then cover all of it).
 
     Debian builds its Prometheus without Kubernetes discovery, so the test does the discovery through the API server
-    and hands the pods over in a file_sd file. On the node's network every pod is 127.0.0.1; a generator's port is
-    ports.generator + its ordinal.
+    and hands the pods over in a file_sd file. On the node's network every pod is 127.0.0.1; a generator's metrics
+    port is ports.generator_metrics + its ordinal.
     """
     selector = f"{K8S_INSTANCE_LABEL}={run}"
     deadline = time.monotonic() + timeout_s
@@ -230,7 +230,7 @@ def write_pod_targets(cluster: Cluster, run: str, targets_file: Path, timeout_s:
     for pod in pods:
         name, component = pod.metadata.name, pod.metadata.labels[K8S_COMPONENT_LABEL]
         ordinal = int(name.rsplit("-", 1)[1]) if component == COMPONENT_GENERATOR else None
-        port = PORTS.generator + ordinal if ordinal is not None else ports.get(component)
+        port = PORTS.generator_metrics + ordinal if ordinal is not None else ports.get(component)
         if port is not None:
             labels = {"run": run, "component": component, "instance": name}
             targets.append({"targets": [f"127.0.0.1:{port}"], "labels": labels})

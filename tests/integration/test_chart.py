@@ -101,7 +101,10 @@ def test_namespaces_and_operator_config_reach_the_operator() -> None:
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[-2:] == ["--namespace=team-a", "--namespace=team-b"]
     config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rel-reinforce-config")
-    assert yaml.safe_load(config["data"]["operator.yaml"])["images"]["trainer"] == "mine:2"
+    operator_config = yaml.safe_load(config["data"]["operator.yaml"])
+    assert operator_config["images"]["trainer"] == "mine:2"
+    # the runs' NetworkPolicies admit the operator from the release's namespace only
+    assert operator_config["operator_namespace"] == "reinforce-system"
 
 
 def test_watch_namespaces_get_roles_and_nothing_cluster_wide_touches_secrets_or_workloads() -> None:

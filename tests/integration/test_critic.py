@@ -313,10 +313,12 @@ def test_init_from_a_reward_model_needs_one_label(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_client_rides_out_a_killed_and_restarted_critic(tmp_path: Path) -> None:
-    """The command line service in its own process: killed with SIGKILL, restarted, resumed from its checkpoint."""
-    port = free_port()
+    """The command line service in its own process: killed with SIGKILL, restarted, resumed from its checkpoint.
+    Its metrics on a port of their own, as in a pod (R3-9)."""
+    port, metrics_port = free_port(), free_port()
     spec = write_run_spec(tmp_path, {"lr": 1e-2, "max_grad_norm": 0.5, "value_clip": 0.3})
     argv = [sys.executable, "-m", "reinforce.critic", "--spec", str(spec), "--port", str(port)]
+    argv += ["--metrics-port", str(metrics_port)]
     env = {**os.environ, CONTROL_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"}
     started: list[subprocess.Popen[bytes]] = []
 
@@ -343,6 +345,7 @@ def test_client_rides_out_a_killed_and_restarted_critic(tmp_path: Path) -> None:
         assert answer == [before]  # resumed from step 1's checkpoint, in another process: the same floats
         ready = client.wait_ready(deadline_s=5)
         assert (ready.train_steps, ready.checkpoint_step) == (1, 1)
+        assert "reinforce_critic_train_steps 1.0" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     finally:
         client.close()
         for proc in started:

@@ -189,7 +189,9 @@ def test_a_ppo_run_has_a_critic_and_its_trainer_calls_it() -> None:
     [container] = pod["containers"]
     assert critic["replicas"] == 1 and critic["selector"]["matchLabels"][K8S_COMPONENT_LABEL] == COMPONENT_CRITIC
     assert container["image"] == "reinforce-critic:0.1.0"
-    assert container["command"] == launch.CRITIC.command("python", SPEC_FILE, port=5556, host="0.0.0.0")
+    assert container["command"] == launch.CRITIC.command(
+        "python", SPEC_FILE, port=5556, metrics_port=5557, host="0.0.0.0"
+    )
     assert container["resources"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
     assert container["readinessProbe"]["httpGet"] == {"path": launch.CRITIC.ready_path, "port": 5556}
     assert CONTROL_TOKEN_ENV in {e["name"] for e in container["env"]}

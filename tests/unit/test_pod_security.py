@@ -15,7 +15,9 @@ from reinforce.core.names import K8S_INSTANCE_LABEL, OPERATOR_APP_NAME
 from reinforce.operator.children import OperatorConfig, Run, children
 from reinforce.operator.resource import ReinforceRunSpec
 
-CHART_OPERATOR = Path(__file__).resolve().parents[2] / "charts" / "reinforce" / "templates" / "operator.yaml"
+CHART_TEMPLATES = Path(__file__).resolve().parents[2] / "charts" / "reinforce" / "templates"
+CHART_OPERATOR = CHART_TEMPLATES / "operator.yaml"
+CHART_MONITORING = CHART_TEMPLATES / "monitoring.yaml"
 # https://kubernetes.io/docs/concepts/security/pod-security-standards/ (restricted, v1.20 onwards)
 RESTRICTED_VOLUME_TYPES = {
     "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
@@ -53,9 +55,16 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
     return found
 
 
-def run_of(profile: str = "standard", name: str = "tiny") -> Run:
-    spec = ReinforceRunSpec.model_validate({**example_run()["spec"], "name": name})
-    return Run(name, "ns", "uid-1", spec, OperatorConfig(profile=profile))
+def run_of(
+    profile: str = "standard",
+    name: str = "tiny",
+    algorithm: str = "reinforce",
+    config: dict[str, Any] | None = None,
+    changes: dict[str, Any] | None = None,
+) -> Run:
+    body = example_run(name, **{"algorithm.name": algorithm, **(changes or {})})
+    spec = ReinforceRunSpec.model_validate({**body["spec"], "name": name})
+    return Run(name, "ns", "uid-1", spec, OperatorConfig.model_validate({"profile": profile, **(config or {})}))
 
 
 def pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -92,14 +101,56 @@ def test_the_network_policy_selects_exactly_the_runs_pods() -> None:
     assert all(selected(t["metadata"]["labels"]) for t in pod_templates(objects).values())
     for other in (children(run_of(name="other")), [operator_deployment()]):
         assert not any(selected(t["metadata"]["labels"]) for t in pod_templates(other).values())
-    own, metrics = policy["spec"]["ingress"]
-    peers = own["from"]
-    assert {"podSelector": {"matchLabels": selector}} in peers  # the run's own pods, every port
-    operator = next(p for p in peers if "namespaceSelector" in p)
-    assert operator["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": OPERATOR_APP_NAME}
     assert selector[K8S_INSTANCE_LABEL] == "tiny"
-    assert "from" not in metrics and {p["port"] for p in metrics["ports"]} == {8002, 8080, 9000, 5556}  # Prometheus
-    assert 6379 not in {p["port"] for p in metrics["ports"]}  # Redis only from the run's pods and the operator
+
+
+def _ports(rule: dict[str, Any]) -> set[int]:
+    return {p["port"] for p in rule["ports"]}
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce", "ppo"])
+def test_the_network_policy_pins_the_operator_and_opens_metrics_ports_only(algorithm: str) -> None:
+    """R3-9: the operator is let in from its own namespace only, on the ports it calls; anyone else reaches metrics
+    ports only, and no metrics port is a control API (generators and the critic serve metrics on ports of their
+    own)."""
+    run = run_of(algorithm=algorithm, config={"operator_namespace": "ops"})
+    objects = children(run)
+    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    own_pods = policy["spec"]["podSelector"]["matchLabels"]
+    own, operator, anyone = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": own_pods}}]}  # the run's own pods: every port
+    assert operator["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": OPERATOR_APP_NAME}},
+        }
+    ]
+    p = run.config.ports
+    assert _ports(operator) == {p.redis, p.generator}  # the published version in Redis; weight loading
+    critic = {p.critic_metrics} if algorithm == "ppo" else set()
+    assert (
+        "from" not in anyone and _ports(anyone) == {p.reward_metrics, p.generator_metrics, p.trainer_metrics} | critic
+    )
+    # each of those is a container port named "metrics", and every control API is on another port
+    containers = [c for t in pod_templates(objects).values() for c in t["spec"]["containers"]]
+    named_metrics = {port["containerPort"] for c in containers for port in c["ports"] if port["name"] == "metrics"}
+    assert named_metrics == _ports(anyone)
+    control = {p.redis, p.generator, p.critic, p.trainer_weights, p.reward_http, p.reward_grpc, p.rendezvous}
+    assert not control & _ports(anyone)
+    generator = " ".join(pod_templates(objects)["tiny-generator"]["spec"]["containers"][0]["command"])
+    assert f"--port {p.generator} --metrics-port {p.generator_metrics}" in generator
+    if algorithm == "ppo":
+        critic_command = pod_templates(objects)["tiny-critic"]["spec"]["containers"][0]["command"]
+        assert critic_command[critic_command.index("--metrics-port") + 1] == str(p.critic_metrics)
+    # the chart's monitors scrape the ports named "metrics" (and no other)
+    assert CHART_MONITORING.read_text().count("- port: metrics") == 2
+    assert "port: control" not in CHART_MONITORING.read_text() and "port: http" not in CHART_MONITORING.read_text()
+
+
+def test_an_external_redis_is_not_the_operators_port() -> None:
+    run = run_of(changes={"kubernetes.external_redis_secret": "shared"})
+    [policy] = [o for o in children(run) if o["kind"] == "NetworkPolicy"]
+    assert _ports(policy["spec"]["ingress"][1]) == {run.config.ports.generator}
 
 
 def test_the_operators_pod_passes_restricted() -> None:

@@ -1,6 +1,6 @@
 """The PPO critic as a service: values for the trainer's GAE, and the critic's own updates, in one process.
 
-    python -m reinforce.critic --spec RUN_DIR/spec.yaml [--port N] [--host H] [--device D]
+    python -m reinforce.critic --spec RUN_DIR/spec.yaml [--port N] [--host H] [--device D] [--metrics-port N]
         (the control token comes from $REINFORCE_CONTROL_TOKEN)
 
 The run spec's `critic` section says how the value model starts (from the initial policy or a reward model) and
@@ -47,7 +47,7 @@ from typing import TypeVar
 import torch
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 from pydantic import BaseModel, ValidationError
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
@@ -419,6 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
     parser.add_argument("--host", default="127.0.0.1", help="Bind address (default: loopback only).")
     parser.add_argument("--port", type=int, default=CRITIC_PORT)
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device of the value model (cpu, cuda, ...).")
     args = parser.parse_args(argv)
     token = os.environ.get(CONTROL_TOKEN_ENV)
@@ -432,4 +435,6 @@ def main(argv: list[str] | None = None) -> None:
         # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns).
         materialize_policy(spec.policy, config.model, spec.seed)
     critic = Critic(config)  # loads the model and resumes before the port opens: answering /readyz means ready
+    if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
+        start_http_server(args.metrics_port, addr=config.host, registry=critic.metrics.registry)
     uvicorn.run(create_app(critic, token), host=config.host, port=config.port, log_level="warning")

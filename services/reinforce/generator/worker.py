@@ -1,9 +1,10 @@
 """The generator: a pull-based worker that samples k responses per prompt, scores them and pushes the group.
 
     python -m reinforce.generator --spec RUN_DIR/spec.yaml --redis-url URL --reward-url URL --port N --id NAME
-        [--host ADDRESS] [--weights-url TRAINER_WEIGHT_ENDPOINT]
+        [--host ADDRESS] [--weights-url TRAINER_WEIGHT_ENDPOINT] [--metrics-port N]
 
-Control plane (FastAPI, on --host:--port): GET /healthz, GET /readyz, GET /metrics (Prometheus),
+Control plane (FastAPI, on --host:--port): GET /healthz, GET /readyz, GET /metrics (Prometheus; also alone on
+--metrics-port when given, the port a pod opens to Prometheus),
 GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between
 batches). A posted version is accepted only if it is the run's published one, exactly as the trainer announced it
 in Redis (version, uri and sha256): the control token lets the reconciler say "load the latest now", never
@@ -35,7 +36,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import ParseDict, ParseError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import materialize_policy
@@ -383,6 +384,9 @@ def main(argv: list[str] | None = None) -> None:
     add_redis_url_argument(parser)
     parser.add_argument("--reward-url", required=True, help="Triton HTTP address of the reward server")
     parser.add_argument("--port", type=int, required=True, help="control plane port")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
+    )
     parser.add_argument("--host", default=LOCAL_HOST, help=f"control plane address (default {LOCAL_HOST})")
     parser.add_argument(
         "--weights-url", help="the run's trainer weight endpoint, http://HOST:PORT (weights.transport http)"
@@ -399,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
+    if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the control plane
+        start_http_server(args.metrics_port, addr=args.host, registry=gen.metrics.registry)
     signal.signal(signal.SIGTERM, lambda *_: gen.stopping.set())
     try:
         gen.run()

@@ -14,8 +14,10 @@ For a run R in namespace N:
   ``training.tensor_parallel``), each running its replica's ``tensor_parallel`` ranks (tensor parallelism wants the
   fast links inside a node; request that many GPUs per trainer pod); torchrun's rendezvous is pod 0 through that
   Service.
-- NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods and the operator on any
-  port, and from anywhere on their metrics ports only (Prometheus); nothing else reaches Redis or the trainer.
+- NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods on any port, from the
+  operator's pods (in its own namespace) on the ports it calls (Redis, the generators' control port), and from
+  anywhere on their metrics ports only (Prometheus; generators and the critic serve metrics on ports of their own);
+  nothing else reaches Redis, the trainer, the reward server or a control API.
 
 Every pod passes the "restricted" Pod Security Standard (non-root, no privilege escalation, no capabilities,
 RuntimeDefault seccomp) and mounts no service account token: no service of a run calls the Kubernetes API. The
@@ -56,6 +58,8 @@ from reinforce.core.threads import OPENMP_ENVIRONMENT
 from reinforce.operator.resource import GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
 
 SPEC_DIR = "/etc/reinforce"
+DEFAULT_OPERATOR_NAMESPACE = "reinforce-system"  # operator/operator.yaml's
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # every namespace's own name (set by Kubernetes from 1.21)
 DATA_DIR = "/data"
 RUN_DIR = f"{DATA_DIR}/run"
 SPEC_FILE = f"{SPEC_DIR}/spec.yaml"
@@ -86,10 +90,12 @@ class Ports(_Section):
     reward_http: int = Field(8000, ge=1, le=65535, description="Triton HTTP (inference, readiness).")
     reward_grpc: int = Field(8001, ge=1, le=65535, description="Triton gRPC.")
     reward_metrics: int = Field(8002, ge=1, le=65535, description="Triton's Prometheus metrics.")
-    generator: int = Field(8080, ge=1, le=65535, description="Control plane: health, metrics, weight loading.")
+    generator: int = Field(8080, ge=1, le=65535, description="Generators' control plane: health, weight loading.")
+    generator_metrics: int = Field(9080, ge=1, le=65535, description="Generators' Prometheus metrics.")
     trainer_metrics: int = Field(9000, ge=1, le=65535, description="Trainer's Prometheus metrics (and status).")
     trainer_weights: int = Field(9001, ge=1, le=65535, description="Trainer's weight endpoint (rank 0).")
-    critic: int = Field(CRITIC_PORT, ge=1, le=65535, description="ppo: the critic service (API, probes, metrics).")
+    critic: int = Field(CRITIC_PORT, ge=1, le=65535, description="ppo: the critic service (API, probes).")
+    critic_metrics: int = Field(CRITIC_PORT + 1, ge=1, le=65535, description="ppo: the critic's Prometheus metrics.")
     rendezvous: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous on trainer pod 0.")
 
 
@@ -125,7 +131,13 @@ class OperatorConfig(_Section):
         "standard",
         description="standard: pods reach each other through Services and cluster DNS (real clusters). "
         "host-network: every pod uses the node's network and reaches the others on 127.0.0.1, for a single-node "
-        "cluster without kube-proxy or DNS; one run per node, generator i listens on ports.generator + i.",
+        "cluster without kube-proxy or DNS; one run per node, generator i listens on ports.generator + i "
+        "(metrics: ports.generator_metrics + i).",
+    )
+    operator_namespace: str = Field(
+        DEFAULT_OPERATOR_NAMESPACE,
+        description="The namespace of the operator's pod: the runs' NetworkPolicies let the operator in from there "
+        "only (the chart sets its release's namespace).",
     )
 
     @field_validator("pods")
@@ -412,20 +424,22 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     replicas = run.spec.generation.num_generators
     if not run.host_network:
         command = _python_service(
-            launch.GENERATOR, reward_url=reward_url, port=p.generator, id=f"$({POD_NAME_ENV})", weights_url=weights_url
-        )
+            launch.GENERATOR, reward_url=reward_url, port=p.generator, metrics_port=p.generator_metrics,
+            id=f"$({POD_NAME_ENV})", weights_url=weights_url,
+        )  # fmt: skip
         container = _container(
-            run, "generator", command, {"control": p.generator},
+            run, "generator", command, {"control": p.generator, "metrics": p.generator_metrics},
             env=_service_env(run),
             volumeMounts=mounts,
             readinessProbe=_http_probe(launch.GENERATOR.ready_path, p.generator),
             livenessProbe={**_http_probe(HEALTH_PATH, p.generator, 10), "initialDelaySeconds": 60},
         )  # fmt: skip
         return _deployment(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
-    port = f"$(({p.generator} + ${{POD_NAME##*-}}))"
+    port, metrics_port = (f"$(({base} + ${{POD_NAME##*-}}))" for base in (p.generator, p.generator_metrics))
     generator = _python_service(
-        launch.GENERATOR, reward_url=reward_url, port=port, id=f"${POD_NAME_ENV}", weights_url=weights_url
-    )
+        launch.GENERATOR, reward_url=reward_url, port=port, metrics_port=metrics_port, id=f"${POD_NAME_ENV}",
+        weights_url=weights_url,
+    )  # fmt: skip
     probe = {
         "exec": {
             "command": ["python", "-c", _READY_BY_ORDINAL.format(base=p.generator, path=launch.GENERATOR.ready_path)]
@@ -540,17 +554,31 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
 
 
 def metrics_ports(run: Run) -> list[int]:
-    """The ports Prometheus scrapes (a generator's control plane and the critic serve /metrics on theirs)."""
+    """The ports Prometheus scrapes: metrics only, none of them a control API."""
     p = run.config.ports
-    return [p.reward_metrics, p.generator, p.trainer_metrics, p.critic]
+    return [p.reward_metrics, p.generator_metrics, p.trainer_metrics, *([p.critic_metrics] if run.ppo else [])]
+
+
+def operator_ports(run: Run) -> list[int]:
+    """The ports the operator calls: the run's Redis (the published weight version) and the generators' control
+    plane (weight loading). It reads the trainer's metrics port, open to anyone."""
+    p = run.config.ports
+    return [*([p.redis] if run.spec.kubernetes.external_redis_secret is None else []), p.generator]
+
+
+def _tcp(ports: list[int]) -> list[dict[str, Any]]:
+    return [{"port": port, "protocol": "TCP"} for port in ports]
 
 
 def network_policy(run: Run) -> dict[str, Any]:
-    """Who may connect to the run's pods: the run's own pods and the operator (any namespace) on every port,
-    anyone on the metrics ports. Prometheus may run anywhere, hence no selector there; the generator's control
-    port is among them, and its weight endpoints still demand the control token."""
+    """Who may connect to the run's pods: the run's own pods on every port; the operator's pods, of its own
+    namespace only (a label alone anyone can set), on the ports it calls; anyone on the metrics ports (Prometheus
+    may run anywhere, and no metrics port serves anything else)."""
     own_pods = {K8S_NAME_LABEL: run.labels[K8S_NAME_LABEL], K8S_INSTANCE_LABEL: run.name}
-    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {K8S_NAME_LABEL: OPERATOR_APP_NAME}}}
+    operator = {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: run.config.operator_namespace}},
+        "podSelector": {"matchLabels": {K8S_NAME_LABEL: OPERATOR_APP_NAME}},
+    }
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -559,8 +587,9 @@ def network_policy(run: Run) -> dict[str, Any]:
             "podSelector": {"matchLabels": own_pods},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": own_pods}}, operator]},
-                {"ports": [{"port": port, "protocol": "TCP"} for port in metrics_ports(run)]},
+                {"from": [{"podSelector": {"matchLabels": own_pods}}]},
+                {"from": [operator], "ports": _tcp(operator_ports(run))},
+                {"ports": _tcp(metrics_ports(run))},
             ],
         },
     }
@@ -577,16 +606,17 @@ def critic_volume(run: Run) -> dict[str, Any]:
 
 
 def critic_service(run: Run) -> dict[str, Any]:
-    return _service(run, COMPONENT_CRITIC, {"http": run.config.ports.critic})
+    p = run.config.ports
+    return _service(run, COMPONENT_CRITIC, {"http": p.critic, "metrics": p.critic_metrics})
 
 
 def critic_stateful_set(run: Run) -> dict[str, Any]:
     """One critic pod (a StatefulSet: never two on the same volume, even during a rollout)."""
-    port = run.config.ports.critic
-    command = _python_service(launch.CRITIC, port=port)
+    port, metrics_port = run.config.ports.critic, run.config.ports.critic_metrics
+    command = _python_service(launch.CRITIC, port=port, metrics_port=metrics_port)
     volume, mount = _spec_volume(run)
     container = _container(
-        run, COMPONENT_CRITIC, command, {"http": port},
+        run, COMPONENT_CRITIC, command, {"http": port, "metrics": metrics_port},
         env=_service_env(run),
         volumeMounts=[mount, {"name": "data", "mountPath": DATA_DIR}],
         readinessProbe=_http_probe(launch.CRITIC.ready_path, port),
