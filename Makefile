@@ -42,10 +42,10 @@ generate: install
 images:
 	bash scripts/build-images.sh
 
-# docker-compose.yml's stack in containers trains the tiny example to its end (tests/test_compose.py runs it too).
+# docker-compose.yml's stack in containers trains the tiny example to its end (tests/e2e/test_compose.py runs it too).
 compose-smoke: install
 	bash scripts/compose-smoke.sh
 
 # helm install + kubectl apply on a real single-node cluster, with pods force-deleted mid-run (part of `make test`).
 cluster-e2e: install
-	$(PY) -m pytest -s tests/test_cluster_e2e.py
+	$(PY) -m pytest -s tests/e2e/test_cluster_e2e.py

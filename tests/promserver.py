@@ -1,7 +1,7 @@
 """A real Prometheus (Debian's) for the tests, and the checks every dashboard query must pass against it.
 
-Used by tests/test_dashboards.py (scraping a local run through the supervisor's targets file) and
-tests/test_cluster_e2e.py (scraping the pods of a single-node cluster through the API server).
+Used by tests/integration/test_dashboards.py (scraping a local run through the supervisor's targets file) and
+tests/e2e/test_cluster_e2e.py (scraping the pods of a single-node cluster through the API server).
 """
 
 from __future__ import annotations

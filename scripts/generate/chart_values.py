@@ -4,7 +4,7 @@
 is the operator's own `OperatorConfig`, so the chart cannot accept an operator setting the operator would
 refuse. `make generate` writes `values.schema.json` (Helm checks every install against it)
 and `files/operator-rules.yaml` (the roles' rules: `CLUSTER_RULES` and `NAMESPACED_RULES`, one source);
-tests/test_chart.py fails when either drifts.
+tests/integration/test_chart.py fails when either drifts.
 """
 
 from __future__ import annotations

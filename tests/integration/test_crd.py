@@ -185,7 +185,7 @@ def test_a_run_without_its_required_fields_is_rejected(runs: client.CustomObject
 @pytest.mark.slow
 def test_unknown_fields_are_pruned(runs: client.CustomObjectsApi, namespace: str) -> None:
     # API level 1.20 has no server-side field validation (1.25+): a structural schema drops unknown fields
-    # silently. The operator refuses them by validating the spec with the model (tests/test_spec.py).
+    # silently. The operator refuses them by validating the spec with the model (tests/unit/test_spec.py).
     body = example_run(**{"training.bogus": 1, "bogus": {"x": 1}})
     created = runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, body)
     assert "bogus" not in created["spec"]["training"] and "bogus" not in created["spec"]
