@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -333,3 +334,38 @@ def test_a_wrong_file_in_the_folder_is_refused_without_its_digest(tmp_path: Path
     with pytest.raises(WeightError, match="does not match") as err:
         load_verified(module_loader(tiny_model(1)), forged, WeightSources(tmp_path))
     assert hashlib.sha256(b"not the published bytes").hexdigest() not in str(err.value)
+
+
+def _server_threads() -> int:
+    return sum(t.name.startswith("Thread-") for t in threading.enumerate())  # socketserver's per-connection threads
+
+
+def test_connections_are_bounded_and_idle_ones_time_out(dirs: tuple[Path, Path]):
+    """Issue #30, R3-12: 40 idle connections hold at most max_connections threads; the ones beyond are answered 503
+    at once; connections that send nothing are closed after idle_timeout_s, and a download then goes through."""
+    with WeightServer(dirs[0], host="127.0.0.1", max_connections=4, idle_timeout_s=2.0) as srv:
+        published = publish_served(srv, tiny_model(0), version=1)
+        before = _server_threads()
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(40)]
+        try:
+            answers = [sock.recv(64) for sock in idle[4:]]  # the first four hold the slots and get nothing yet
+            assert all(answer.startswith(b"HTTP/1.1 503 ") for answer in answers), answers
+            assert _server_threads() - before <= 4
+            assert all(sock.recv(64) == b"" for sock in idle[:4])  # closed by the server after the idle timeout
+        finally:
+            for sock in idle:
+                sock.close()
+        target = tiny_model(1)
+        load_verified(module_loader(target), published, sources(srv), cache_dir=dirs[1])
+        assert same_weights(tiny_model(0), target)
+
+
+def test_a_fetch_rides_out_a_busy_endpoint(dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch):
+    """A 503 from a full endpoint is retried: the download succeeds once a slot frees."""
+    monkeypatch.setattr(weights_module, "_RETRY_BACKOFF_S", (0.5, 0.5, 0.5, 0.5))
+    with WeightServer(dirs[0], host="127.0.0.1", max_connections=1, idle_timeout_s=0.8) as srv:
+        published = publish_served(srv, tiny_model(0), version=1)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10):  # holds the only slot until it times out
+            target = tiny_model(1)
+            load_verified(module_loader(target), published, sources(srv), cache_dir=dirs[1])
+    assert same_weights(tiny_model(0), target)

@@ -16,6 +16,7 @@ token goes nowhere else, and no other file of the machine is ever read or hashed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -53,6 +54,10 @@ _REQUEST_TARGET = re.compile(re.escape(WEIGHTS_ROUTE) + r"(" + _FILE_NAME.patter
 # A fetch is retried on connection errors, truncated bodies and 5xx (a trainer pod restarting), not on 4xx.
 _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
 _HTTP_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+# The weight endpoint's bounds: concurrent connections (each one thread), and how long one may wait to send a request.
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 5.0
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 class WeightError(RuntimeError):
@@ -356,17 +361,29 @@ def _check_not_too_long(weights: WeightVersion, num_bytes: int) -> None:
 class WeightServer:
     """Serves the published `v*.safetensors` files of `weights_dir` at GET /v1/weights/{file}, in a thread.
 
-    The standard library's ThreadingHTTPServer: one thread per download, and the body goes out with
-    sendfile(2), so a 540 MB file is never read into Python memory. With `token`, every request needs
+    The standard library's ThreadingHTTPServer: one thread per connection, at most `max_connections` of them (a
+    connection beyond is answered 503 and closed: the generators' fetch retries it), and the body goes out with
+    sendfile(2), so a 540 MB file is never read into Python memory. A connection that sends no request within
+    `idle_timeout_s` is closed, so idle ones cannot hold the slots. With `token`, every request needs
     `Authorization: Bearer <token>` (401 otherwise), checked before the path so unauthenticated clients learn
     nothing about which versions exist.
     """
 
-    def __init__(self, weights_dir: Path, host: str = LOCAL_HOST, port: int = 0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        weights_dir: Path,
+        host: str = LOCAL_HOST,
+        port: int = 0,
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
         self.weights_dir = weights_dir.resolve()
         self.host = host
         self.requested_port = port
         self.token = token
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -380,8 +397,9 @@ class WeightServer:
         """Bind, serve in a daemon thread, and return the bound port (useful with port=0)."""
         if self._server is not None:
             raise RuntimeError("WeightServer already started")
-        server = _HTTPServer((self.host, self.requested_port), _WeightHandler)
+        server = _HTTPServer((self.host, self.requested_port), _WeightHandler, self.max_connections)
         server.weights_dir = self.weights_dir
+        server.idle_timeout_s = self.idle_timeout_s
         server.expected_auth = f"Bearer {self.token}".encode() if self.token else None
         self._server = server
         # a short poll interval only so that stop() returns promptly; the wake-ups cost nothing measurable
@@ -420,13 +438,43 @@ class WeightServer:
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stalled download must not keep the trainer from exiting
+    request_queue_size = 128  # listen backlog: many generators connect at once when a version is published
     weights_dir: Path
     expected_auth: bytes | None
+    idle_timeout_s: float
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # connections answered 503 because every slot was taken
         super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
+        """A thread for the connection if a slot is free; otherwise 503 from the accepting thread, and close."""
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            if self.refused == 1 or self.refused % 100 == 0:
+                log.warning(
+                    "weight endpoint busy (%d connections): %d refused so far", self.max_connections, self.refused
+                )
+            with contextlib.suppress(OSError):  # a few bytes into an empty send buffer: never blocks for long
+                request.settimeout(1.0)
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:  # no thread could be started: the slot is not taken after all
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls socket.getfqdn, a reverse DNS lookup that can hang in a pod.
@@ -437,7 +485,12 @@ class _HTTPServer(ThreadingHTTPServer):
 class _WeightHandler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
-    timeout = 60  # per socket operation: a client that stops reading frees its thread
+    timeout = 60  # per socket operation of a transfer: a client that stops reading frees its thread
+
+    def handle_one_request(self) -> None:
+        # Waiting for a request (a new connection, or between keep-alive requests) may take idle_timeout_s at most.
+        self.connection.settimeout(self.server.idle_timeout_s)
+        super().handle_one_request()
 
     def do_GET(self) -> None:
         self._serve(send_body=True)
@@ -446,6 +499,7 @@ class _WeightHandler(BaseHTTPRequestHandler):
         self._serve(send_body=False)
 
     def _serve(self, send_body: bool) -> None:
+        self.connection.settimeout(self.timeout)  # the request is in: the transfer's timeout from here on
         if not self._authorized():
             self.send_response(401)
             self.send_header("WWW-Authenticate", "Bearer")
