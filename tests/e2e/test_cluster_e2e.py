@@ -120,7 +120,7 @@ def chart_installed(cluster: Cluster) -> Cluster:
     values = [
         "hostNetwork=true", f"apiServer={host_port}", f"healthPort={HEALTH_PORT}", "image.pullPolicy=Never",
         "operatorConfig.profile=host-network", "operatorConfig.image_pull_policy=Never",
-        "operatorConfig.images.redis=reinforce-redis:0.1.0",
+        "operatorConfig.images.redis=reinforce-redis:0.1.0", f"operatorConfig.tenancy.host_network_namespaces={{{RUNS}}}",
     ]  # fmt: skip
     args = [HELM, "--kubeconfig", str(cluster.kubeconfig), "install", RELEASE, str(CHART),
             "-n", OPERATOR_NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m"]  # fmt: skip

@@ -59,7 +59,7 @@ from reinforce.operator.main import (
     immutable_changes,
     phase_of,
 )
-from reinforce.operator.resource import ReinforceRunSpec
+from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, ReinforceRunSpec
 
 pytestmark = pytest.mark.slow
 KINDS = {  # what each run owns (with its own Redis)
@@ -281,6 +281,13 @@ class Cluster:
     def create_run(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.custom.create_namespaced_custom_object(*API, self.namespace, crd.PLURAL, body)
 
+    def create_redis_secret(self, name: str, url: str, consent: bool = True) -> None:
+        """A Secret with an external Redis' URL; `consent`: labelled for runs to use it."""
+        labels = {EXTERNAL_REDIS_LABEL: "true"} if consent else {}
+        self.core.create_namespaced_secret(
+            self.namespace, {"metadata": {"name": name, "labels": labels}, "stringData": {"url": url}}
+        )
+
     def patch_run(self, name: str, spec: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object(*API, self.namespace, crd.PLURAL, name, {"spec": spec})
 
@@ -378,6 +385,32 @@ def test_a_spec_the_schema_accepts_but_the_model_refuses_fails_naming_the_field(
     assert refused["status"] == "False" and refused["reason"] == "InvalidSpec"
     assert "spec.policy: Value error, set exactly one of path and random_init" in refused["message"]
     assert cluster.children() == {}, "nothing is created for an invalid run"
+
+
+def test_settings_the_tenancy_does_not_allow_are_refused_naming_them(
+    operator_env: OperatorConfig, cluster: Cluster, redis_url: str
+) -> None:
+    """R3-8: a tenant's run that tolerates every taint, picks a control-plane node and names a Secret that
+    did not consent to be its Redis gets nothing; once it asks for no more than allowed, it gets its children."""
+    cluster.create_redis_secret("someone-elses", redis_url, consent=False)
+    hostile = {
+        "generator": {"tolerations": [{"operator": "Exists"}]},
+        "trainer": {"node_selector": {"kubernetes.io/hostname": "control-plane-0"}},
+        "external_redis_secret": "someone-elses",
+    }
+    with operator(cluster.namespace):
+        cluster.create_run(example_run(**{"kubernetes": hostile}))
+        wait_for(lambda: cluster.condition("SpecAccepted").get("reason") == "NotPermitted", 30)
+        message = cluster.condition("SpecAccepted")["message"]
+        for field in ("spec.kubernetes.generator.tolerations[0]", "spec.kubernetes.trainer.node_selector",
+                      "spec.kubernetes.external_redis_secret"):  # fmt: skip
+            assert field in message, message
+        assert cluster.children() == {}, "nothing of a refused run is created"
+        run = cluster.run()
+        run["spec"]["kubernetes"] = {}  # the tenant's settings dropped, the rest of the spec as it was
+        cluster.custom.replace_namespaced_custom_object(*API, cluster.namespace, crd.PLURAL, "tiny", run)
+        wait_for(lambda: cluster.condition("SpecAccepted").get("status") == "True", 30)
+        wait_for(lambda: len(cluster.children()) == len(KINDS), 30)
 
 
 def _pods_ready_for_a_running_run(cluster: Cluster) -> None:
@@ -491,9 +524,7 @@ def test_weights_are_rolled_out_to_ready_generators_and_external_redis_keys_go_w
     operator_env: OperatorConfig, cluster: Cluster, generator_listening: Any, redis_url: str
 ) -> None:
     generator, spec, serve = generator_listening
-    cluster.core.create_namespaced_secret(
-        cluster.namespace, {"metadata": {"name": "shared-redis"}, "stringData": {"url": redis_url}}
-    )
+    cluster.create_redis_secret("shared-redis", redis_url)
     queue = RolloutQueue(connect(redis_url), "tiny")
     with operator(cluster.namespace):
         cluster.create_run(example_run(**{"kubernetes.external_redis_secret": "shared-redis"}))
@@ -520,9 +551,7 @@ def test_weights_are_rolled_out_to_ready_generators_and_external_redis_keys_go_w
 def test_a_finished_run_succeeds_and_scales_to_zero(
     operator_env: OperatorConfig, cluster: Cluster, redis_url: str
 ) -> None:
-    cluster.core.create_namespaced_secret(
-        cluster.namespace, {"metadata": {"name": "shared-redis"}, "stringData": {"url": redis_url}}
-    )
+    cluster.create_redis_secret("shared-redis", redis_url)
     body = example_run(**{"kubernetes.external_redis_secret": "shared-redis", "training.steps": 3})
     with operator(cluster.namespace):
         cluster.create_run(body)

@@ -21,8 +21,9 @@ For a run R in namespace N:
 
 Every pod passes the "restricted" Pod Security Standard (non-root, no privilege escalation, no capabilities,
 RuntimeDefault seccomp) and mounts no service account token: no service of a run calls the Kubernetes API. The
-host-network profile cannot pass it (hostNetwork is what "baseline" already forbids) and keeps root-free images'
-defaults only: it is for a single-node test cluster.
+host-network profile cannot pass it (hostNetwork is what "baseline" already forbids) but keeps every other setting
+of it; it is for a single-node test cluster, and only for the namespaces tenancy.host_network_namespaces names.
+What a run's own settings may ask for (placement, resources, an external Redis Secret) is operator/tenancy.py's.
 
 Every object carries the run's labels and an ownerReference to the run (controller), so deleting the run
 deletes them. These builders are pure functions of the run: the operator's reconcile is "apply them all".
@@ -55,7 +56,8 @@ from reinforce.core.names import (
 )
 from reinforce.core.spec import TrainingSpec, _Section, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT
-from reinforce.operator.resource import GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
+from reinforce.operator.resource import GPU_RESOURCE, GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
+from reinforce.operator.tenancy import Tenancy
 
 SPEC_DIR = "/etc/reinforce"
 DEFAULT_OPERATOR_NAMESPACE = "reinforce-system"  # operator/operator.yaml's
@@ -134,6 +136,7 @@ class OperatorConfig(_Section):
         "cluster without kube-proxy or DNS; one run per node, generator i listens on ports.generator + i "
         "(metrics: ports.generator_metrics + i).",
     )
+    tenancy: Tenancy = Field(default_factory=Tenancy)
     operator_namespace: str = Field(
         DEFAULT_OPERATOR_NAMESPACE,
         description="The namespace of the operator's pod: the runs' NetworkPolicies let the operator in from there "
@@ -323,7 +326,7 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
     settings = pod_settings(run, component)
     limits = dict(settings.limits)
     if settings.gpus:
-        limits["nvidia.com/gpu"] = str(settings.gpus)
+        limits[GPU_RESOURCE] = str(settings.gpus)
     resources = {key: value for key, value in (("requests", settings.requests), ("limits", limits)) if value}
     return {
         "name": component,
@@ -332,7 +335,7 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
         "command": command,
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()],
         "resources": resources,
-        **({} if run.host_network else {"securityContext": CONTAINER_SECURITY_CONTEXT}),
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
         **extra,
     }
 
@@ -340,11 +343,14 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
 def _pod_template(run: Run, component: str, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
     settings = pod_settings(run, component)
     # No service of a run calls the Kubernetes API: no token to steal from its pods.
-    spec: dict[str, Any] = {"containers": containers, "volumes": volumes, "automountServiceAccountToken": False}
+    spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": volumes,
+        "automountServiceAccountToken": False,
+        "securityContext": POD_SECURITY_CONTEXT,
+    }
     if run.host_network:
         spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
-    else:
-        spec["securityContext"] = POD_SECURITY_CONTEXT
     if settings.node_selector:
         spec["nodeSelector"] = settings.node_selector
     if settings.tolerations:

@@ -5,10 +5,11 @@
 Level-triggered, like the weight reconciler it drives. On every change of a run and every
 `status_interval_s` it:
 
-1. validates the spec with the model (operator/resource.py), and refuses changes to fields that cannot change
+1. validates the spec with the model (resource.py), and refuses changes to fields that cannot change
    once the run started (everything but `suspend`, `generation.num_generators` and `kubernetes`), naming
-   them in the `SpecAccepted` condition;
-2. applies every child (operator/children.py) with server-side apply; a suspended or finished run gets zero
+   them in the `SpecAccepted` condition, and settings the operator's `tenancy` configuration does not allow
+   (tenancy.py), naming them likewise; a refused spec applies nothing;
+2. applies every child (children.py) with server-side apply; a suspended or finished run gets zero
    replicas everywhere;
 3. observes the pods and the trainer's metrics and writes the status.
 
@@ -54,6 +55,7 @@ from reinforce.operator.children import (
     trainer_pods,
 )
 from reinforce.operator.resource import GROUP, PLURAL, VERSION, ReinforceRunSpec, parse_run_resource
+from reinforce.operator.tenancy import redis_secret_refusal, refusals
 
 log = logging.getLogger("reinforce.operator")
 RUNS = (GROUP, VERSION, PLURAL)
@@ -189,14 +191,50 @@ class RunMemory:
 
 
 def secret_value(api: client.ApiClient, namespace: str, name: str, key: str) -> str:
-    secret = client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+    return _decoded(client.CoreV1Api(api).read_namespaced_secret(name, namespace), key)
+
+
+def _decoded(secret: client.V1Secret, key: str) -> str:
     if not secret.data or key not in secret.data:
-        raise kopf.TemporaryError(f"Secret {namespace}/{name} has no key {key!r}", delay=10)
+        name = f"{secret.metadata.namespace}/{secret.metadata.name}"
+        raise kopf.TemporaryError(f"Secret {name} has no key {key!r}", delay=10)
     return base64.b64decode(secret.data[key]).decode()
 
 
+def _secret_labels(api: client.ApiClient, namespace: str, name: str) -> dict[str, str] | None:
+    """The Secret's labels; None when there is no such Secret."""
+    try:
+        secret = client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+    except client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+    return secret.metadata.labels or {}
+
+
+def redis_url(api: client.ApiClient, namespace: str, run_name: str, external_secret: str | None) -> str:
+    """The run's Redis URL: from its own Secret, or from the external one, which must consent
+    (tenancy.redis_secret_refusal): the operator connects to no Redis that a run merely names."""
+    if external_secret is None:
+        return secret_value(api, namespace, f"{run_name}-secrets", REDIS_URL_KEY)
+    secret = client.CoreV1Api(api).read_namespaced_secret(external_secret, namespace)
+    if refusal := redis_secret_refusal(external_secret, namespace, secret.metadata.labels or {}):
+        raise kopf.TemporaryError(refusal, delay=10)
+    return _decoded(secret, REDIS_URL_KEY)
+
+
+def not_permitted(api: client.ApiClient, run: Run) -> list[str]:
+    """The run's settings that the operator's tenancy configuration refuses (empty: none)."""
+    found = refusals(run)
+    external = run.spec.kubernetes.external_redis_secret
+    if external is not None:
+        labels = _secret_labels(api, run.namespace, external)
+        found += [refusal] if (refusal := redis_secret_refusal(external, run.namespace, labels)) else []
+    return found
+
+
 def weight_reconciler(api: client.ApiClient, run: Run, memory: RunMemory) -> WeightReconciler:
-    url = secret_value(api, run.namespace, run.redis_secret, REDIS_URL_KEY)
+    url = redis_url(api, run.namespace, run.name, run.spec.kubernetes.external_redis_secret)
     if memory.reconciler is None or memory.redis_url != url:
         memory.close()
         connection = redis.Redis.from_url(url, socket_timeout=HTTP_TIMEOUT_S, socket_connect_timeout=HTTP_TIMEOUT_S)
@@ -333,10 +371,14 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> 
     run = _run(state, body, spec, status)
     accepted = accepted_spec(state.api, run)
     refused = immutable_changes(accepted, yaml.safe_load(services_spec_yaml(run))) if accepted else []
+    denied = [] if refused else not_permitted(state.api, run)
     conditions = []
     if refused:
         message = f"{', '.join(refused)}: cannot change once the run started; revert, or create a new run"
         conditions.append(condition("SpecAccepted", False, "ImmutableFieldChanged", message, generation))
+    elif denied:
+        message = "; ".join(denied) + ". Not permitted by the operator's tenancy configuration: nothing is applied"
+        conditions.append(condition("SpecAccepted", False, "NotPermitted", message, generation))
     else:
         for obj in children(run):
             apply(state.api, obj)
@@ -425,7 +467,7 @@ def delete_redis_keys(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) ->
     state, meta = _state(memo), body["metadata"]
     secret = body["spec"]["kubernetes"]["external_redis_secret"]
     try:
-        url = secret_value(state.api, meta["namespace"], secret, REDIS_URL_KEY)
+        url = redis_url(state.api, meta["namespace"], meta["name"], secret)
         connection = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         deleted = RolloutQueue(connection, meta["name"]).delete_run_keys()
         connection.close()

@@ -23,6 +23,9 @@ KIND = "ReinforceRun"
 PLURAL = "reinforceruns"
 SHORT_NAMES = ["rr"]
 PHASES = ["Pending", "Running", "Suspended", "Succeeded", "Failed"]
+# A Secret's owner consents to runs using it as their external Redis with this label, value "true".
+EXTERNAL_REDIS_LABEL = f"{GROUP}/external-redis"
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
 class Toleration(_Section):
@@ -58,8 +61,9 @@ class KubernetesSpec(_Section):
     critic: PodSpec = Field(default_factory=PodSpec, description="The critic's pod (algorithm.name ppo).")
     external_redis_secret: str | None = Field(
         None,
-        description="A Secret of the run's namespace whose key `url` is the redis:// URL of an external Redis; "
-        "then no Redis is created, and the run's keys are deleted with the run.",
+        description="A Secret of the run's namespace whose key `url` is the redis:// URL of an external Redis, "
+        f"labelled {EXTERNAL_REDIS_LABEL}=true; then no Redis is created, and the run's keys are deleted with the "
+        "run.",
     )
     storage_size: str = Field("10Gi", description="Size of the run's volume (checkpoints, weights, final model).")
     critic_storage_size: str = Field(

@@ -1,0 +1,138 @@
+"""What a run may ask of the cluster through the operator (operator configuration `tenancy`).
+
+The operator creates pods with its own rights: a tenant allowed to create ReinforceRuns but not Pods must get no
+more placement, resources, Secrets or host access through a run than the operator's configuration grants. A run's
+own `kubernetes` settings are checked field by field, and each refusal names the field as `kubectl` shows it
+(`spec.kubernetes.trainer.tolerations[0].key: ...`); the operator's `pods` defaults are the administrator's and are
+not checked. Nothing of a refused spec is applied (operator/main.py: condition SpecAccepted, reason NotPermitted).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kubernetes.utils import parse_quantity
+from pydantic import Field, field_validator
+
+from reinforce.core.names import COMPONENTS
+from reinforce.core.spec import _Section
+from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, GPU_RESOURCE, PodSpec, Toleration
+
+if TYPE_CHECKING:
+    from reinforce.operator.children import Run
+
+
+class Tenancy(_Section):
+    """What a run's own `kubernetes` settings may ask for; empty lists allow nothing."""
+
+    toleration_keys: list[str] = Field(
+        default_factory=list,
+        description="Taint keys a run's pods may tolerate. A toleration without a key (every taint, the control "
+        "plane's included) is never allowed.",
+    )
+    node_selectors: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Node labels a run's pods may select on, each with the values allowed, e.g. {pool: [gpu, cpu]}.",
+    )
+    max_resources: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per-pod ceiling of each resource a run may request or limit, e.g. {cpu: '16', memory: 64Gi, "
+        "nvidia.com/gpu: '8'} (gpus counts as nvidia.com/gpu); once one is set, a resource without one is refused. "
+        "Empty: no ceiling (a namespace's ResourceQuota still applies).",
+    )
+    host_network_namespaces: list[str] = Field(
+        default_factory=list,
+        description="profile host-network: the namespaces whose runs it may lay out on the node's network "
+        "(their pods share the node's network namespace); a run elsewhere is refused.",
+    )
+
+    @field_validator("max_resources")
+    @classmethod
+    def _quantities(cls, ceilings: dict[str, str]) -> dict[str, str]:
+        for resource, value in ceilings.items():
+            _quantity(value, f"max_resources.{resource}")
+        return ceilings
+
+
+def _quantity(value: str, where: str) -> object:
+    try:
+        return parse_quantity(value)
+    except ValueError:
+        raise ValueError(f"{where}: {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 8Gi)") from None
+
+
+def refusals(run: Run) -> list[str]:
+    """Every setting of the run that the operator's tenancy configuration does not allow (empty: none)."""
+    tenancy = run.config.tenancy
+    found = []
+    for component in COMPONENTS:
+        settings: PodSpec = getattr(run.spec.kubernetes, component)
+        where = f"spec.kubernetes.{component}"
+        found += _toleration_refusals(settings.tolerations, where, tenancy)
+        found += _node_selector_refusals(settings.node_selector, where, tenancy)
+        found += _resource_refusals(settings, where, tenancy)
+    if run.host_network and run.namespace not in tenancy.host_network_namespaces:
+        found.append(
+            f"namespace {run.namespace}: this operator lays runs out on the node's network (profile host-network), "
+            f"which tenancy.host_network_namespaces {tenancy.host_network_namespaces} does not allow here"
+        )
+    return found
+
+
+def _toleration_refusals(tolerations: list[Toleration], where: str, tenancy: Tenancy) -> list[str]:
+    found = []
+    for i, toleration in enumerate(tolerations):
+        if toleration.key is None:
+            found.append(f"{where}.tolerations[{i}]: no key, so it tolerates every taint; name one")
+        elif toleration.key not in tenancy.toleration_keys:
+            found.append(
+                f"{where}.tolerations[{i}].key: {toleration.key!r} is not in tenancy.toleration_keys "
+                f"{tenancy.toleration_keys}"
+            )
+    return found
+
+
+def _node_selector_refusals(selector: dict[str, str], where: str, tenancy: Tenancy) -> list[str]:
+    return [
+        f"{where}.node_selector.{label}: {value!r} is not allowed by tenancy.node_selectors "
+        f"({label}: {tenancy.node_selectors.get(label, [])})"
+        for label, value in selector.items()
+        if value not in tenancy.node_selectors.get(label, [])
+    ]
+
+
+def _resource_refusals(settings: PodSpec, where: str, tenancy: Tenancy) -> list[str]:
+    ceilings = tenancy.max_resources
+    if not ceilings:
+        return []
+    asked = [
+        (f"{where}.{kind}.{r}", r, v) for kind in ("requests", "limits") for r, v in getattr(settings, kind).items()
+    ]
+    if settings.gpus:
+        asked.append((f"{where}.gpus", GPU_RESOURCE, str(settings.gpus)))
+    found = []
+    for field, resource, value in asked:
+        if resource not in ceilings:
+            found.append(f"{field}: tenancy.max_resources sets no ceiling for {resource}, so a run may not ask for it")
+            continue
+        try:
+            above = _quantity(value, field) > _quantity(ceilings[resource], resource)
+        except ValueError as err:
+            found.append(str(err))
+            continue
+        if above:
+            found.append(f"{field}: {value} is above tenancy.max_resources.{resource} {ceilings[resource]}")
+    return found
+
+
+def redis_secret_refusal(name: str, namespace: str, labels: dict[str, str] | None) -> str | None:
+    """Why a run may not use Secret `name` as its external Redis (None: it may). labels None: no such Secret.
+
+    A Secret's `url` goes into every pod of the run (and the operator connects to it): only Secrets whose owner
+    labelled them for that purpose qualify, not any Secret a tenant can name."""
+    field = "spec.kubernetes.external_redis_secret"
+    if labels is None:
+        return f"{field}: there is no Secret {name} in namespace {namespace}"
+    if labels.get(EXTERNAL_REDIS_LABEL) != "true":
+        return f"{field}: Secret {name} is not labelled {EXTERNAL_REDIS_LABEL}=true (its owner's consent)"
+    return None

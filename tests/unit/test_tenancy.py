@@ -1,0 +1,97 @@
+"""A tenant who may create ReinforceRuns but not Pods gets no more through the operator than its `tenancy`
+configuration allows (R3-8): each refused setting is named by its field. Rendered objects only: no cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from k8s import example_run
+
+from reinforce.operator.children import OperatorConfig, Run
+from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, ReinforceRunSpec
+from reinforce.operator.tenancy import redis_secret_refusal, refusals
+
+TENANCY = {
+    "toleration_keys": ["gpu"],
+    "node_selectors": {"pool": ["gpu", "cpu"]},
+    "max_resources": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"},
+}
+CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
+HOSTILE = {
+    "generator": {"tolerations": [{"operator": "Exists"}]},
+    "redis": {"tolerations": [{"key": CONTROL_PLANE, "operator": "Exists", "effect": "NoSchedule"}]},
+    "trainer": {
+        "node_selector": {CONTROL_PLANE: ""},
+        "requests": {"cpu": "1000", "memory": "16Gi"},
+        "limits": {"memory": "1Ti"},
+        "gpus": 64,
+    },
+    "reward": {"requests": {"hugepages-1Gi": "1Gi"}},
+    "critic": {"node_selector": {"pool": "control"}},
+}
+
+
+def run_of(kubernetes: dict[str, Any], tenancy: dict[str, Any], profile: str = "standard", ns: str = "team") -> Run:
+    spec = ReinforceRunSpec.model_validate({**example_run()["spec"], "name": "tiny", "kubernetes": kubernetes})
+    config = OperatorConfig.model_validate({"profile": profile, "tenancy": tenancy})
+    return Run("tiny", ns, "uid-1", spec, config)
+
+
+def test_a_hostile_runs_settings_are_refused_by_field_name() -> None:
+    found = refusals(run_of(HOSTILE, TENANCY))
+    fields = [message.split(": ", 1)[0] for message in found]
+    assert fields == [
+        "spec.kubernetes.redis.tolerations[0].key",
+        "spec.kubernetes.reward.requests.hugepages-1Gi",
+        "spec.kubernetes.generator.tolerations[0]",
+        f"spec.kubernetes.trainer.node_selector.{CONTROL_PLANE}",
+        "spec.kubernetes.trainer.requests.cpu",
+        "spec.kubernetes.trainer.limits.memory",
+        "spec.kubernetes.trainer.gpus",
+        "spec.kubernetes.critic.node_selector.pool",
+    ], found
+    assert "tolerates every taint" in found[2]
+    assert found[4].endswith("1000 is above tenancy.max_resources.cpu 8")
+    assert found[6].endswith("64 is above tenancy.max_resources.nvidia.com/gpu 2")
+
+
+def test_what_the_tenancy_allows_is_accepted() -> None:
+    allowed = {
+        "generator": {"tolerations": [{"key": "gpu", "operator": "Exists"}], "node_selector": {"pool": "gpu"}},
+        "trainer": {"requests": {"cpu": "8", "memory": "16Gi"}, "limits": {"memory": "32Gi"}, "gpus": 2},
+    }
+    assert refusals(run_of(allowed, TENANCY)) == []
+    assert refusals(run_of({}, {})) == []  # a run that asks for nothing special needs no configuration
+
+
+def test_by_default_no_placement_is_allowed_and_resources_are_not_capped() -> None:
+    found = refusals(run_of(HOSTILE, {}))
+    assert [m.split(": ", 1)[0] for m in found] == [
+        "spec.kubernetes.redis.tolerations[0].key",
+        "spec.kubernetes.generator.tolerations[0]",
+        f"spec.kubernetes.trainer.node_selector.{CONTROL_PLANE}",
+        "spec.kubernetes.critic.node_selector.pool",
+    ]
+
+
+def test_a_quantity_that_is_not_one_is_refused_naming_it() -> None:
+    [found] = refusals(run_of({"trainer": {"requests": {"cpu": "lots"}}}, TENANCY))
+    assert found.startswith("spec.kubernetes.trainer.requests.cpu: 'lots' is not a Kubernetes quantity")
+    with pytest.raises(ValueError, match=r"max_resources\.memory: 'big' is not a Kubernetes quantity"):
+        OperatorConfig.model_validate({"tenancy": {"max_resources": {"memory": "big"}}})
+
+
+def test_the_host_network_profile_only_for_the_namespaces_named() -> None:
+    [found] = refusals(run_of({}, {}, profile="host-network", ns="team"))
+    assert found.startswith("namespace team: ") and "tenancy.host_network_namespaces" in found
+    assert refusals(run_of({}, {"host_network_namespaces": ["team"]}, profile="host-network", ns="team")) == []
+
+
+def test_an_external_redis_secret_must_consent() -> None:
+    field = "spec.kubernetes.external_redis_secret: "
+    assert redis_secret_refusal("db", "team", None) == f"{field}there is no Secret db in namespace team"
+    refused = redis_secret_refusal("db", "team", {"app": "billing"})
+    assert refused == f"{field}Secret db is not labelled {EXTERNAL_REDIS_LABEL}=true (its owner's consent)"
+    assert redis_secret_refusal("db", "team", {EXTERNAL_REDIS_LABEL: "false"}) is not None
+    assert redis_secret_refusal("db", "team", {EXTERNAL_REDIS_LABEL: "true"}) is None
