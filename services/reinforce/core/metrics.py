@@ -222,6 +222,61 @@ class CriticMetrics:
         )
 
 
+class EnvironmentMetrics:
+    """The environment service's Prometheus series (reinforce_environment_*)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.episodes = Counter(PREFIX + "environment_episodes", "Episodes started.", registry=r)
+        self.open_episodes = Gauge(PREFIX + "environment_open_episodes", "Episodes started and not ended.", registry=r)
+        self.episodes_ended = Counter(
+            PREFIX + "environment_episodes_ended",
+            "Episodes ended, by reason: no_tool_call, max_turns, deleted, expired (idle past episode_idle_s).",
+            ["reason"],
+            registry=r,
+        )
+        self.turns = Histogram(
+            PREFIX + "environment_turns_per_episode",
+            "Assistant turns an episode took, observed when it ends.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
+        self.tool_calls = Counter(PREFIX + "environment_tool_calls", "Tool calls run, by tool.", ["tool"], registry=r)
+        self.tool_errors = Counter(
+            PREFIX + "environment_tool_errors",
+            "Tool calls that failed (a nonzero exit, an exception, a malformed call; timeouts are counted apart), by "
+            "tool (`invalid` for a call that named no known tool or did not parse).",
+            ["tool"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            PREFIX + "environment_tool_timeouts",
+            "Tool calls stopped at environment.time_limit_s, by tool.",
+            ["tool"],
+            registry=r,
+        )
+        self.sandbox_kills = Counter(
+            PREFIX + "environment_sandbox_kills",
+            "Sandboxed processes that ended by a signal (the time limit's SIGKILL, SIGXCPU at the CPU limit, ...), "
+            "by signal name.",
+            ["signal"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            PREFIX + "environment_tool_call_seconds",
+            "Seconds of a tool call, from its request to its observation (waiting for a free slot included), by tool.",
+            ["tool"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.requests = Counter(
+            PREFIX + "environment_requests",
+            "HTTP requests by endpoint and status code.",
+            ["endpoint", "code"],
+            registry=r,
+        )
+
+
 def read_metrics(jsonl_path: Path) -> list[dict[str, float | None]]:
     """The rows of a metrics.jsonl (the supervisor's progress bar, plots and tests read it).
 

@@ -280,6 +280,62 @@ class CriticSpec(_Section):
         return self
 
 
+BUILTIN_TOOLS = ("python", "calculator")  # reinforce.environment.tools
+
+
+class EnvironmentSpec(_Section):
+    """The environment service: episodes of tools (a sandboxed Python, a calculator, user tools) over HTTP."""
+
+    enabled: bool = Field(False, description="Start the environment service (`reinforce run`: its own process).")
+    tools: list[str] = Field(
+        default_factory=lambda: ["python", "calculator"],
+        min_length=1,
+        description="Tools of every episode: built-in `python` (runs the code in the sandbox) and `calculator` "
+        "(arithmetic, no code), or `module:Class` naming a subclass of reinforce.environment.tools.Tool.",
+    )
+    max_turns: int = Field(
+        4, ge=1, description="Assistant turns per episode; the last one's tool call is not run (the episode is done)."
+    )
+    time_limit_s: float = Field(
+        5.0, gt=0, le=600, description="Wall-clock limit of one tool call; past it the call is stopped: `timeout`."
+    )
+    output_limit_chars: int = Field(
+        2000, ge=64, description="An observation (stdout, stderr, exit code) is cut to this many characters."
+    )
+    memory_limit_mb: int = Field(
+        512, ge=64, description="python: address-space limit of the sandboxed process (RLIMIT_AS)."
+    )
+    file_limit_mb: int = Field(
+        16,
+        ge=1,
+        description="python: largest file the code may write (RLIMIT_FSIZE), and the size of its scratch folder "
+        "where it is a tmpfs of its own (namespaced sandboxes).",
+    )
+    max_processes: int = Field(
+        16, ge=1, description="python: processes and threads the code may run at once (RLIMIT_NPROC)."
+    )
+    max_concurrent_calls: int = Field(
+        4, ge=1, description="Tool calls run at once; more wait their turn (the wait is not on their time limit)."
+    )
+    max_episodes: int = Field(
+        256, ge=1, description="Open episodes; starting one more is refused (429) until one ends or expires."
+    )
+    episode_idle_s: float = Field(
+        600.0, gt=0, description="An episode without a step for this long is ended (its generator is gone)."
+    )
+
+    @model_validator(mode="after")
+    def _tools_are_known(self) -> EnvironmentSpec:
+        for tool in self.tools:
+            if tool not in BUILTIN_TOOLS and ":" not in tool:
+                raise ValueError(
+                    f"tools: {tool!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor module:Class"
+                )
+        if len(set(self.tools)) != len(self.tools):
+            raise ValueError(f"tools: {self.tools} names a tool twice")
+        return self
+
+
 class GenerationSpec(_Section):
     """Sampling by the generators."""
 
@@ -499,6 +555,7 @@ class RunSpec(_Section):
     data: DataSpec
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     critic: CriticSpec = Field(default_factory=CriticSpec)
+    environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     validation: ValidationSpec = Field(default_factory=ValidationSpec)

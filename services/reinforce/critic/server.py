@@ -30,7 +30,6 @@ One lock serialises everything that touches the model: a values request never se
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import math
@@ -46,12 +45,13 @@ from typing import TypeVar
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
 
+from reinforce.core.bearer import bearer_dependency, read_body
 from reinforce.core.critic_api import (
     CHECKPOINT_PATH,
     RESTORE_PATH,
@@ -321,26 +321,6 @@ class Critic:
 
 
 # ---- HTTP ------------------------------------------------------------------------------------------------------
-async def _read_body(request: Request, model: type[Body], max_bytes: int) -> Body:
-    """The request's JSON body as `model`, refused (413) past max_bytes: by Content-Length before reading, and by
-    counting while reading (a chunked body has no length)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
-        raise HTTPException(status_code=413, detail=f"request body over {max_bytes} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise HTTPException(status_code=413, detail=f"request body over {max_bytes} bytes")
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as err:
-        # without the offending input: it may be inf, which a JSON answer cannot carry
-        raise HTTPException(
-            status_code=422, detail=json.loads(err.json(include_url=False, include_input=False))
-        ) from None
-
-
 async def _call(fn: Callable[[Body], BaseModel], body: Body) -> dict:
     """Run a model-touching call off the event loop (probes stay answerable during a long train request)."""
     try:
@@ -356,14 +336,8 @@ async def _call(fn: Callable[[Body], BaseModel], body: Body) -> dict:
 def create_app(critic: Critic, token: str) -> FastAPI:
     """Probes and metrics are open; /v1/* demand `Authorization: Bearer <token>`."""
     app = FastAPI(title="reinforce critic")
-    expected = f"Bearer {token}".encode()
     max_bytes = int(critic.config.critic.max_request_mb * 2**20)
-
-    # The handlers declare no body parameter, so FastAPI resolves this dependency before anything reads the body:
-    # an unauthenticated client cannot make the service read (or buffer) a large upload.
-    def authorized(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+    authorized = bearer_dependency(token)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -394,20 +368,20 @@ def create_app(critic: Critic, token: str) -> FastAPI:
 
     @app.post(VALUES_PATH, dependencies=[Depends(authorized)])
     async def values(request: Request) -> dict:
-        return await _call(critic.values, await _read_body(request, ValuesRequest, max_bytes))
+        return await _call(critic.values, await read_body(request, ValuesRequest, max_bytes))
 
     @app.post(TRAIN_PATH, dependencies=[Depends(authorized)])
     async def train(request: Request) -> dict:
-        return await _call(critic.train, await _read_body(request, TrainRequest, max_bytes))
+        return await _call(critic.train, await read_body(request, TrainRequest, max_bytes))
 
     @app.post(CHECKPOINT_PATH, dependencies=[Depends(authorized)])
     async def checkpoint(request: Request) -> dict:
-        body = await _read_body(request, CheckpointRequest, max_bytes)
+        body = await read_body(request, CheckpointRequest, max_bytes)
         return await _call(lambda b: critic.save(b.step), body)
 
     @app.post(RESTORE_PATH, dependencies=[Depends(authorized)])
     async def restore(request: Request) -> dict:
-        body = await _read_body(request, CheckpointRequest, max_bytes)
+        body = await read_body(request, CheckpointRequest, max_bytes)
         return await _call(lambda b: critic.restore(b.step), body)
 
     return app

@@ -17,7 +17,6 @@ Every sample of a group comes from one version, which the group records.
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import math
@@ -32,12 +31,13 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import ParseDict, ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 
+from reinforce.core.bearer import bearer_dependency, read_capped
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
@@ -306,11 +306,7 @@ def _split_by_sampling(entries: list[tuple[str, Prompt]]) -> list[list[tuple[str
 def control_plane(gen: Generator, token: str) -> FastAPI:
     """Probes and metrics are open; the weight endpoints demand `Authorization: Bearer <token>`."""
     app = FastAPI(title=f"reinforce generator {gen.name}")
-    expected = f"Bearer {token}".encode()
-
-    def authorized(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(status_code=401, detail="missing or wrong control token")
+    authorized = bearer_dependency(token, "control token")
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -341,7 +337,7 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
     # and at most MAX_CONTROL_BODY_BYTES of it: no unauthenticated or oversized body is ever held in memory.
     @app.post("/v1/weights", status_code=202, dependencies=[Depends(authorized)])
     async def post_weights(request: Request) -> Response:
-        body = await _read_capped(request, MAX_CONTROL_BODY_BYTES)
+        body = await read_capped(request, MAX_CONTROL_BODY_BYTES)
         if body is None:
             return _error(413, f"a WeightVersion body is at most {MAX_CONTROL_BODY_BYTES} bytes")
         try:
@@ -355,19 +351,6 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
         return JSONResponse({"accepted_version": weights.version}, status_code=202)
 
     return app
-
-
-async def _read_capped(request: Request, limit: int) -> bytes | None:
-    """The request's body, or None as soon as it is known to exceed `limit` bytes (declared or sent)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            return None
-    return bytes(body)
 
 
 def _error(status: int, message: str) -> JSONResponse:

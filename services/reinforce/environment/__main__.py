@@ -1,0 +1,3 @@
+from reinforce.environment.server import main
+
+main()

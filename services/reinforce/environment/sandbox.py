@@ -1,0 +1,243 @@
+"""The local sandbox: one confined child process per Python tool call.
+
+Each call runs `python -I jail.py` (see jail.py for what it does, in order) with:
+  - an empty environment apart from PATH, LANG and HOME (the scratch folder): never the control token, the Redis
+    URL or any other variable of the service;
+  - its own empty scratch folder as working directory, removed afterwards;
+  - limits: CPU seconds (RLIMIT_CPU, the time limit rounded up plus one), address space (RLIMIT_AS), file size
+    (RLIMIT_FSIZE), processes (RLIMIT_NPROC), 64 open files, no core files; and the wall-clock time limit, past
+    which the call's whole process tree is killed;
+  - the strongest isolation the kernel allows, found once at start (`detect_isolation`):
+      namespaces       (root) `unshare --net --pid --mount`: no network (only a loopback that is down), no other
+                       process visible, every mount read-only but its own tmpfs folders, the run folder hidden;
+                       and a uid of its own per concurrent call (SANDBOX_UID_BASE + slot), so it owns nothing
+                       outside its scratch folder and RLIMIT_NPROC counts that call's processes only;
+      user_namespaces  (not root, unprivileged user namespaces allowed) the same namespaces in a user namespace
+                       of its own (`--map-root-user`), but the process keeps the service's uid: RLIMIT_NPROC
+                       counts every process of that uid;
+      none             rlimits, the empty environment and the scratch folder only: the code can open network
+                       connections, read what the service's uid can read and write where it can write, and
+                       its processes can outlive the call if they leave its process group. The service makes
+                       itself non-dumpable, so its own /proc/PID/environ stays unreadable to them.
+In namespaces, killing `unshare` (its child is PID 1 of the new PID namespace, with --kill-child) ends every
+process the code started, detached or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from reinforce.core.spec import EnvironmentSpec
+
+log = logging.getLogger("reinforce.environment")
+
+Isolation = Literal["namespaces", "user_namespaces", "none"]
+JAIL = Path(__file__).with_name("jail.py")
+NAMESPACE_FLAGS = ("--net", "--pid", "--mount", "--fork", "--kill-child")
+SANDBOX_UID_BASE = 61000  # root only: call slot i runs as uid/gid SANDBOX_UID_BASE + i
+PATH = "/usr/local/bin:/usr/bin:/bin"
+DRAIN_AFTER_KILL_S = 2.0  # after the kill, how long the output pipes may take to close
+PR_SET_DUMPABLE = 4
+SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+# Imports a module of the standard library's compiled extensions, which the jail has not loaded yet.
+PROBE = b"import _socket, json\nprint('ok')\n"
+
+
+@dataclass(frozen=True)
+class Limits:
+    time_limit_s: float
+    memory_bytes: int
+    file_bytes: int
+    max_processes: int
+    output_bytes: int  # of stdout and of stderr kept (the rest is read and dropped)
+
+    @classmethod
+    def from_spec(cls, spec: EnvironmentSpec) -> Limits:
+        mb = 2**20
+        # 4 bytes per character: the most a UTF-8 character takes, so the text cut later is never short of bytes
+        output_bytes = 4 * spec.output_limit_chars
+        return cls(
+            spec.time_limit_s, spec.memory_limit_mb * mb, spec.file_limit_mb * mb, spec.max_processes, output_bytes
+        )
+
+
+@dataclass(frozen=True)
+class RunResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when the call was stopped at its time limit
+    timed_out: bool
+    signal: str | None  # the signal that ended the process (SIGKILL after a timeout, SIGXCPU, ...), if one did
+    output_bytes: int  # stdout and stderr as written, before anything was dropped
+
+
+def _unshare_prefix(isolation: Isolation) -> list[str]:
+    if isolation == "none":
+        return []
+    unshare = shutil.which("unshare") or "unshare"
+    extra = ["--map-root-user"] if isolation == "user_namespaces" else []
+    return [unshare, *extra, *NAMESPACE_FLAGS, "--"]
+
+
+def detect_isolation() -> Isolation:
+    """The strongest isolation this kernel and user allow, found by trying it."""
+    candidates: list[Isolation] = ["namespaces"] if os.getuid() == 0 else []
+    for isolation in [*candidates, "user_namespaces"]:
+        if shutil.which("unshare") is None:
+            break
+        try:
+            probe = subprocess.run([*_unshare_prefix(isolation), "true"], capture_output=True, timeout=30, env={})
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            return isolation
+        log.info("isolation %s unavailable: %s", isolation, probe.stderr.decode(errors="replace").strip())
+    return "none"
+
+
+def make_undumpable() -> None:
+    """Keep this process's /proc/PID/environ (the control token) from processes of the same uid."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+
+
+async def _drain(stream: asyncio.StreamReader, keep: int) -> tuple[bytes, int]:
+    """Read a pipe to its end, keeping its first `keep` bytes: a 100 MB print costs reading, not memory."""
+    kept, total = bytearray(), 0
+    while chunk := await stream.read(1 << 16):
+        total += len(chunk)
+        if len(kept) < keep:
+            kept += chunk[: keep - len(kept)]
+    return bytes(kept), total
+
+
+class Sandbox:
+    """Runs code in confined child processes, at most `slots` at once (each slot has its own uid as root)."""
+
+    def __init__(self, limits: Limits, slots: int, hidden: list[Path], isolation: Isolation | None = None) -> None:
+        self.limits = limits
+        self.hidden = [str(p.resolve()) for p in hidden]
+        self.isolation: Isolation = isolation or detect_isolation()
+        self.prefix = _unshare_prefix(self.isolation)
+        self.python = self._choose_python()
+        self.free_slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(slots):
+            self.free_slots.put_nowait(slot)
+
+    def _uid(self, slot: int) -> int:
+        if os.getuid() == 0:
+            return SANDBOX_UID_BASE + slot
+        return 0 if self.isolation == "user_namespaces" else os.getuid()  # root of its own user namespace
+
+    def _choose_python(self) -> str:
+        """This interpreter, or the system's when this one cannot run confined (as root, a Python under /root is
+        unreadable to the call's own uid): the first that runs a probe through the sandbox."""
+        candidates = dict.fromkeys([sys.executable, *SYSTEM_PYTHONS])
+        for python in candidates:
+            if not os.access(python, os.X_OK):
+                continue
+            with tempfile.TemporaryDirectory(prefix="reinforce-sandbox-") as scratch:
+                uid = self._uid(0)
+                if os.getuid() == 0 and self.isolation == "none":
+                    os.chown(scratch, uid, uid)
+                argv = self._argv(python, Path(scratch), uid)
+                env = self._env(Path(scratch))
+                probe = subprocess.run(argv, input=PROBE, capture_output=True, env=env, cwd=scratch, timeout=60)
+            if probe.returncode == 0 and probe.stdout.strip() == b"ok":
+                return python
+            log.info("python %s cannot run in the sandbox: %s", python, probe.stderr.decode(errors="replace")[-500:])
+        raise RuntimeError(f"no Python runs in the sandbox (tried {', '.join(candidates)})")
+
+    def _argv(self, python: str, scratch: Path, uid: int) -> list[str]:
+        return [*self.prefix, python, "-I", str(JAIL), self._config(scratch, uid)]
+
+    def _env(self, scratch: Path) -> dict[str, str]:
+        return {"PATH": PATH, "LANG": "C.UTF-8", "HOME": str(scratch)}
+
+    def _config(self, scratch: Path, uid: int) -> str:
+        lim = self.limits
+        return json.dumps(
+            {
+                "scratch": str(scratch),
+                "uid": uid,
+                "mount_namespace": self.isolation != "none",
+                "hidden": self.hidden,
+                "cpu_seconds": math.ceil(lim.time_limit_s) + 1,
+                "memory_bytes": lim.memory_bytes,
+                "file_bytes": lim.file_bytes,
+                "max_processes": lim.max_processes,
+            }
+        )
+
+    async def run(self, code: str) -> RunResult:
+        slot = await self.free_slots.get()
+        scratch = Path(tempfile.mkdtemp(prefix="reinforce-sandbox-"))
+        try:
+            uid = self._uid(slot)
+            if os.getuid() == 0 and self.isolation == "none":
+                os.chown(scratch, uid, uid)  # namespaced calls get a tmpfs owned by their uid instead
+            return await self._run(code, scratch, uid)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+            self.free_slots.put_nowait(slot)
+
+    async def _run(self, code: str, scratch: Path, uid: int) -> RunResult:
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(self.python, scratch, uid),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self._env(scratch),
+            cwd=scratch,
+            start_new_session=True,  # one process group to kill (all of it, in namespaces)
+        )
+        keep = self.limits.output_bytes
+        assert proc.stdin and proc.stdout and proc.stderr
+        out = asyncio.ensure_future(_drain(proc.stdout, keep))
+        err = asyncio.ensure_future(_drain(proc.stderr, keep))
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            proc.stdin.write(code.encode())
+            with contextlib.suppress(ConnectionError):  # the process may be gone before it read its code
+                await proc.stdin.drain()
+            proc.stdin.close()
+            # done: the process exited and closed its output (a child that still holds a pipe keeps it running)
+            _, running = await asyncio.wait({out, err, exited}, timeout=self.limits.time_limit_s)
+        finally:
+            _kill_group(proc.pid)  # what is left: the whole tree in namespaces, the process group without
+            await exited
+            # Pipes close once every writer is gone; a detached writer (isolation none) must not hold us here.
+            _, stuck = await asyncio.wait({out, err}, timeout=DRAIN_AFTER_KILL_S)
+            for task in stuck:
+                task.cancel()
+        stdout, out_total = out.result() if out not in stuck else (b"", 0)
+        stderr, err_total = err.result() if err not in stuck else (b"", 0)
+        returncode = proc.returncode
+        return RunResult(
+            stdout.decode(errors="replace"),
+            stderr.decode(errors="replace"),
+            None if running else returncode,
+            bool(running),
+            signal.Signals(-returncode).name if returncode < 0 else None,
+            out_total + err_total,
+        )
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -1,0 +1,342 @@
+"""The environment service: episodes of tools for multi-turn rollouts, behind a small authenticated HTTP API.
+
+    python -m reinforce.environment --spec RUN_DIR/spec.yaml [--host H] [--port N] [--metrics-port N]
+        (the bearer token comes from $REINFORCE_ENVIRONMENT_TOKEN, which the run's generators also hold)
+
+The API (reset, step, state, delete; bodies and status codes in reinforce/core/environment_api.py, and a client in
+reinforce/core/environment_client.py) in OpenEnv's words: a generator starts an episode per sample (POST
+/v1/episodes), sends each assistant turn as it was sampled (POST /v1/episodes/{id}/step), appends the observation it
+gets back as the tool's message and samples on, until `done`; then it deletes the episode. The first tool call of a
+turn runs (tools.py: the call format and how to write a tool); a turn without one, or the episode's
+environment.max_turns-th turn, is `done`. Open probes: GET /healthz, /readyz (the sandbox's isolation), /metrics
+(reinforce_environment_*).
+
+Limits (the run spec's `environment` section): environment.max_concurrent_calls tool calls run at once (others
+wait), each stopped at environment.time_limit_s, its text cut to environment.output_limit_chars;
+environment.max_episodes open episodes; an episode idle for environment.episode_idle_s is ended. The python tool's
+sandbox: sandbox.py. Episodes live in this process's memory: a restarted service answers 404 for the episodes it
+had, and their samples are redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+
+from reinforce.core.bearer import bearer_dependency, read_body
+from reinforce.core.environment_api import (
+    EPISODES_PATH,
+    MAX_REQUEST_BYTES,
+    EpisodeState,
+    Observation,
+    ReadyResponse,
+    ResetRequest,
+    ResetResponse,
+    StepRequest,
+    StepResponse,
+)
+from reinforce.core.metrics import EnvironmentMetrics
+from reinforce.core.names import (
+    ENVIRONMENT_PORT,
+    ENVIRONMENT_TOKEN_ENV,
+    HEALTH_PATH,
+    LOCAL_HOST,
+    METRICS_PATH,
+    READY_PATH,
+)
+from reinforce.core.spec import EnvironmentSpec, load_spec
+from reinforce.environment.sandbox import Limits, Sandbox, make_undumpable
+from reinforce.environment.tools import (
+    PythonTool,
+    Tool,
+    ToolContext,
+    ToolError,
+    instructions,
+    parse_tool_call,
+    tool_class,
+)
+
+log = logging.getLogger("reinforce.environment")
+# A tool's own limit comes first (the python tool kills its process at time_limit_s); this much later the service
+# stops waiting for any tool.
+TIME_LIMIT_GRACE_S = 1.0
+TRUNCATED = "\n[output truncated]"
+INVALID_TOOL = "invalid"  # the tool label of calls that did not parse or named no tool
+
+
+class NoEpisode(LookupError):
+    """404: never started, deleted, or expired."""
+
+
+class EpisodeConflict(RuntimeError):
+    """409: a step on a done episode, or beside another step of the same episode."""
+
+
+class TooManyEpisodes(RuntimeError):
+    """429: environment.max_episodes are open."""
+
+
+@dataclass
+class Episode:
+    id: str
+    tools: dict[str, Tool]
+    turn: int = 0
+    tool_calls: int = 0
+    done: bool = False
+    busy: bool = False  # a step is running
+    last_active: float = field(default_factory=time.monotonic)
+
+
+class Environment:
+    """The episodes and their tools; one event loop runs every request (tools await or run in threads)."""
+
+    def __init__(self, spec: EnvironmentSpec, sandbox: Sandbox, metrics: EnvironmentMetrics | None = None) -> None:
+        self.spec = spec
+        self.sandbox = sandbox
+        self.metrics = metrics or EnvironmentMetrics()
+        self.tool_classes = [tool_class(ref) for ref in spec.tools]
+        self.context = ToolContext(spec, sandbox)
+        self.instructions = instructions(self.tool_classes, python_blocks=PythonTool in self.tool_classes)
+        self.episodes: dict[str, Episode] = {}
+        self.calls = asyncio.Semaphore(spec.max_concurrent_calls)
+
+    def _episode(self, episode_id: str) -> Episode:
+        episode = self.episodes.get(episode_id)
+        if episode is None:
+            raise NoEpisode(f"no episode {episode_id!r} (never started, deleted, or idle past episode_idle_s)")
+        return episode
+
+    def state(self, episode_id: str) -> EpisodeState:
+        e = self._episode(episode_id)
+        return EpisodeState(
+            episode_id=e.id, turn=e.turn, max_turns=self.spec.max_turns, done=e.done, tool_calls=e.tool_calls
+        )
+
+    async def reset(self, prompt: str) -> ResetResponse:
+        if len(self.episodes) >= self.spec.max_episodes:
+            raise TooManyEpisodes(f"{len(self.episodes)} episodes open (environment.max_episodes)")
+        tools = {cls.name: cls(self.context) for cls in self.tool_classes}
+        for tool in tools.values():
+            await tool.reset(prompt)
+        episode = Episode(uuid.uuid4().hex, tools)
+        self.episodes[episode.id] = episode
+        self.metrics.episodes.inc()
+        self.metrics.open_episodes.set(len(self.episodes))
+        return ResetResponse(
+            episode_id=episode.id,
+            observation=Observation(text=self.instructions),
+            tools=[cls.schema() for cls in self.tool_classes],
+            max_turns=self.spec.max_turns,
+        )
+
+    async def step(self, episode_id: str, action: str) -> StepResponse:
+        episode = self._episode(episode_id)
+        if episode.done or episode.busy:
+            raise EpisodeConflict(f"episode {episode_id} is {'done' if episode.done else 'taking another step'}")
+        episode.busy = True
+        try:
+            episode.turn += 1
+            return await self._step(episode, action)
+        finally:
+            episode.busy = False
+            episode.last_active = time.monotonic()
+
+    async def _step(self, episode: Episode, action: str) -> StepResponse:
+        try:
+            call = parse_tool_call(action)
+        except ToolError as err:
+            self.metrics.tool_errors.labels(INVALID_TOOL).inc()
+            return self._answer(episode, Observation(text=str(err), error=True))
+        if call is None or episode.turn >= self.spec.max_turns:
+            reason = "no_tool_call" if call is None else "max_turns"
+            await self._finish(episode, reason)
+            return StepResponse(observation=None, done=True, reason=reason, turn=episode.turn)
+        tool = episode.tools.get(call.name)
+        if tool is None:
+            self.metrics.tool_errors.labels(INVALID_TOOL).inc()
+            known = ", ".join(episode.tools)
+            return self._answer(episode, Observation(text=f"error: no tool {call.name!r} (tools: {known})", error=True))
+        episode.tool_calls += 1
+        return self._answer(episode, await self._call(tool, call.arguments))
+
+    def _answer(self, episode: Episode, observation: Observation) -> StepResponse:
+        limit = self.spec.output_limit_chars
+        if len(observation.text) > limit:
+            text = observation.text[: limit - len(TRUNCATED)] + TRUNCATED
+            observation = observation.model_copy(update={"text": text, "truncated": True})
+        return StepResponse(observation=observation, done=False, turn=episode.turn)
+
+    async def _call(self, tool: Tool, arguments: dict) -> Observation:
+        name, m = tool.name, self.metrics
+        start = time.perf_counter()
+        async with self.calls:
+            try:
+                observation = await asyncio.wait_for(tool.step(arguments), self.spec.time_limit_s + TIME_LIMIT_GRACE_S)
+            except TimeoutError:
+                text = f"[timeout after {self.spec.time_limit_s:g} s]"
+                observation = Observation(text=text, tool=name, timed_out=True, error=True)
+            except ToolError as err:
+                observation = Observation(text=str(err), tool=name, error=True)
+            except Exception as err:  # a user tool's bug is the episode's error, not the service's
+                log.exception("tool %s failed", name)
+                observation = Observation(text=f"error: the tool failed ({type(err).__name__})", tool=name, error=True)
+        m.seconds.labels(name).observe(time.perf_counter() - start)
+        m.tool_calls.labels(name).inc()
+        if observation.timed_out:
+            m.timeouts.labels(name).inc()
+        elif observation.error:
+            m.tool_errors.labels(name).inc()
+        if observation.signal:
+            m.sandbox_kills.labels(observation.signal).inc()
+        return observation
+
+    async def _finish(self, episode: Episode, reason: str) -> None:
+        """Done (or deleted, or expired): the tools close and the metrics count it, once."""
+        if episode.done:
+            return
+        episode.done = True
+        self.metrics.episodes_ended.labels(reason).inc()
+        self.metrics.turns.observe(episode.turn)
+        for tool in episode.tools.values():
+            try:
+                await tool.close()
+            except Exception:
+                log.exception("closing tool %s failed", tool.name)
+
+    async def delete(self, episode_id: str, reason: str = "deleted") -> EpisodeState:
+        state = self.state(episode_id)
+        episode = self.episodes.pop(episode_id)
+        self.metrics.open_episodes.set(len(self.episodes))
+        await self._finish(episode, reason)
+        return state
+
+    async def expire_idle(self) -> None:
+        """End episodes without a step for environment.episode_idle_s (their generator died or forgot them)."""
+        deadline = time.monotonic() - self.spec.episode_idle_s
+        for episode in [e for e in self.episodes.values() if not e.busy and e.last_active < deadline]:
+            await self.delete(episode.id, "expired")
+
+    def ready(self) -> ReadyResponse:
+        return ReadyResponse(
+            ready=True,
+            isolation=self.sandbox.isolation,
+            python=self.sandbox.python,
+            tools=[cls.name for cls in self.tool_classes],
+            open_episodes=len(self.episodes),
+        )
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------------
+ERRORS: dict[type[Exception], int] = {NoEpisode: 404, EpisodeConflict: 409, TooManyEpisodes: 429}
+ROUTES = (EPISODES_PATH, f"{EPISODES_PATH}/{{episode_id}}", f"{EPISODES_PATH}/{{episode_id}}/step")
+
+
+@contextlib.contextmanager
+def _http_errors() -> Iterator[None]:
+    try:
+        yield
+    except tuple(ERRORS) as err:
+        raise HTTPException(status_code=ERRORS[type(err)], detail=str(err)) from None
+
+
+def create_app(env: Environment, token: str) -> FastAPI:
+    """Probes and metrics are open; /v1/* demand `Authorization: Bearer <token>`."""
+
+    @contextlib.asynccontextmanager
+    async def expiring(_: FastAPI) -> AsyncIterator[None]:
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(min(env.spec.episode_idle_s / 4, 30.0))
+                await env.expire_idle()
+
+        task = asyncio.create_task(sweep())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="reinforce environment", lifespan=expiring)
+    authorized = bearer_dependency(token)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        code = "500"
+        try:
+            response = await call_next(request)
+            code = str(response.status_code)
+            return response
+        finally:
+            # the route's template, so that episode ids do not become series; unknown paths share one label
+            route = getattr(request.scope.get("route"), "path", None)
+            env.metrics.requests.labels(route if route in ROUTES else "other", code).inc()
+
+    @app.get(HEALTH_PATH)
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get(READY_PATH)
+    def readyz() -> dict:
+        return env.ready().model_dump()  # listening only after the sandbox was probed: answering means ready
+
+    @app.get(METRICS_PATH)
+    def metrics() -> Response:
+        return Response(generate_latest(env.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post(EPISODES_PATH, status_code=201, dependencies=[Depends(authorized)])
+    async def reset(request: Request) -> dict:
+        body = await read_body(request, ResetRequest, MAX_REQUEST_BYTES)
+        with _http_errors():
+            return (await env.reset(body.prompt)).model_dump()
+
+    @app.post(EPISODES_PATH + "/{episode_id}/step", dependencies=[Depends(authorized)])
+    async def step(episode_id: str, request: Request) -> dict:
+        body = await read_body(request, StepRequest, MAX_REQUEST_BYTES)
+        with _http_errors():
+            return (await env.step(episode_id, body.action)).model_dump()
+
+    @app.get(EPISODES_PATH + "/{episode_id}", dependencies=[Depends(authorized)])
+    def state(episode_id: str) -> dict:
+        with _http_errors():
+            return env.state(episode_id).model_dump()
+
+    @app.delete(EPISODES_PATH + "/{episode_id}", dependencies=[Depends(authorized)])
+    async def delete(episode_id: str) -> dict:
+        with _http_errors():
+            return (await env.delete(episode_id)).model_dump()
+
+    return app
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reinforce.environment", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
+    parser.add_argument("--host", default=LOCAL_HOST, help=f"Bind address (default {LOCAL_HOST}).")
+    parser.add_argument("--port", type=int, default=ENVIRONMENT_PORT)
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
+    )
+    args = parser.parse_args(argv)
+    token = os.environ.get(ENVIRONMENT_TOKEN_ENV)
+    if not token:
+        parser.error(f"${ENVIRONMENT_TOKEN_ENV} must hold the environment service's bearer token")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    make_undumpable()  # before any tool runs: /proc/PID/environ (the token) unreadable to same-uid processes
+    spec = load_spec(args.spec)
+    e = spec.environment
+    # In namespaces the sandbox never sees the run folder (an empty folder is mounted over it).
+    sandbox = Sandbox(Limits.from_spec(e), e.max_concurrent_calls, hidden=[spec.resolved_run_dir()])
+    log.info("sandbox isolation %s, python %s", sandbox.isolation, sandbox.python)
+    env = Environment(e, sandbox)
+    if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
+        start_http_server(args.metrics_port, addr=args.host, registry=env.metrics.registry)
+    uvicorn.run(create_app(env, token), host=args.host, port=args.port, log_level="warning")

@@ -1,0 +1,107 @@
+"""The environment's parts that need no process: the tool-call parser, the calculator, tool loading, the spec."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from reinforce.core.spec import SpecError, parse_spec
+from reinforce.environment.sandbox import RunResult
+from reinforce.environment.tools import (
+    Calculator,
+    ToolCall,
+    ToolError,
+    calculate,
+    parse_tool_call,
+    python_observation,
+    tool_class,
+)
+
+MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
+
+
+@pytest.mark.parametrize(
+    ("turn", "call"),
+    [
+        ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
+         ToolCall("calculator", {"expression": "1+2"})),
+        # SmolLM2's list form, arguments as a JSON string (OpenAI's), a missing closing tag (the stop string)
+        ('I will call.\n<tool_call>[{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}]',
+         ToolCall("python", {"code": "print(1)"})),
+        ("Run it:\n```python\nprint(2)\n```\nthen <tool_call>{}</tool_call>",
+         ToolCall("python", {"code": "print(2)\n"})),
+        ("```py\nx = 1\n```", ToolCall("python", {"code": "x = 1\n"})),
+        ("The answer is 42.", None),
+        ("```\nnot python\n```", None),
+        ("```python\nprint('never closed')", None),
+    ],
+)  # fmt: skip
+def test_the_first_tool_call_of_a_turn_is_parsed(turn: str, call: ToolCall | None) -> None:
+    assert parse_tool_call(turn) == call
+
+
+@pytest.mark.parametrize(
+    ("turn", "error"),
+    [
+        ("<tool_call>{nope}</tool_call>", "not JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', '{"name": ...'),
+        ('<tool_call>{"name": "python", "arguments": [1]}</tool_call>', "must be a JSON object"),
+    ],
+)
+def test_a_malformed_call_is_an_error_for_the_model(turn: str, error: str) -> None:
+    with pytest.raises(ToolError, match="error: ") as raised:
+        parse_tool_call(turn)
+    assert error in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("12 * (3 + 4)", 84), ("7 / 2", 3.5), ("7 // 2", 3), ("-2 ** 10", -1024), ("sqrt(16) + abs(-1)", 5.0),
+     ("round(pi, 2)", 3.14), ("2 ** 4000 > 0", None), ("max(1, 5, 3) % 4", 1)],
+)  # fmt: skip
+def test_calculator_evaluates_arithmetic(expression: str, value: float | None) -> None:
+    if value is None:  # a comparison is not arithmetic
+        with pytest.raises(ToolError):
+            calculate(expression)
+    else:
+        assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["__import__('os').system('true')", "().__class__", "open('/etc/passwd')", "lambda: 1", "[1, 2]", "'a' * 3",
+     "9 ** 9 ** 9", "10 ** 5000", "factorial(10 ** 6)", "1 / 0", "sqrt(-1)", "(-8) ** 0.5", "1e308 * 10 ** 400",
+     "x" * 501, "1 +"],
+)  # fmt: skip
+def test_calculator_refuses_what_is_not_bounded_arithmetic(expression: str) -> None:
+    start = time.perf_counter()
+    with pytest.raises(ToolError, match=r"^error: "):
+        calculate(expression)
+    assert time.perf_counter() - start < 0.1  # refused before any large computation
+
+
+def test_python_observation_says_stderr_exit_and_timeout() -> None:
+    failed = python_observation(RunResult("out\n", "Traceback\n", 1, False, None, 14), 5.0)
+    assert failed.text == "out\n[stderr]\nTraceback\n[exit code 1]" and failed.error
+    stopped = python_observation(RunResult("", "", None, True, "SIGKILL", 0), 2.5)
+    assert stopped.text == "[timeout after 2.5 s]" and stopped.timed_out and stopped.signal == "SIGKILL"
+    assert python_observation(RunResult("", "", 0, False, None, 0), 5.0).text == "[no output]"
+
+
+def test_tools_are_built_in_names_or_module_and_class() -> None:
+    assert tool_class("calculator") is Calculator
+    with pytest.raises(ValueError, match=r"environment\.tools: cannot load 'no_such_module:Tool'"):
+        tool_class("no_such_module:Tool")
+    with pytest.raises(ValueError, match=r"is not a subclass of reinforce\.environment\.tools\.Tool"):
+        tool_class("pathlib:Path")
+
+
+def test_spec_names_a_bad_tool_list() -> None:
+    assert parse_spec(MINIMAL).environment.enabled is False
+    with pytest.raises(SpecError, match=r"environment: .*'search' is neither a built-in tool"):
+        parse_spec({**MINIMAL, "environment": {"tools": ["search"]}})
+    with pytest.raises(SpecError, match="names a tool twice"):
+        parse_spec({**MINIMAL, "environment": {"tools": ["python", "python"]}})
+    with pytest.raises(SpecError, match=r"environment\.time_limit_s"):
+        parse_spec({**MINIMAL, "environment": {"time_limit_s": 0}})
