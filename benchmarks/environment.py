@@ -1,0 +1,172 @@
+"""Environment service throughput: tool calls per second and step latency (p50, p99) of the calculator and the
+sandboxed python tool at a few concurrency levels, against the real server process.
+
+    python benchmarks/environment.py [--calls N] [--concurrency 1 4 16]
+
+Starts `python -m reinforce.environment` on a free port (environment.max_concurrent_calls = the largest level), then
+for each tool and level runs that many episodes at once, each stepping through its share of N calls (a step is one
+HTTP request that runs one tool call). Latency is the client's: request to answer. Prints a table, saves
+benchmarks/results/environment.json and writes the "Environment service" section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from reinforce.core.environment_client import EnvironmentClient
+from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "environment.json"
+MARKDOWN = REPO / "BENCHMARKS.md"
+HEADING = "## Environment service"
+TOKEN = "benchmark-token"
+ACTIONS = {
+    "calculator": '<tool_call>{"name": "calculator", "arguments": {"expression": "(12.5 * 4) ** 2 - 7"}}</tool_call>',
+    "python": "```python\nprint(sum(i * i for i in range(1000)))\n```",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(work: Path, concurrency: int) -> tuple[subprocess.Popen[bytes], str]:
+    spec = {
+        "name": "env-bench",
+        "run_dir": str(work / "run"),
+        "policy": {"random_init": {}},
+        "data": {"prompts": "p.txt"},
+        "environment": {"enabled": True, "max_turns": 1_000_000, "max_concurrent_calls": concurrency},
+    }
+    spec_file = work / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    port = free_port()
+    env = {**os.environ, ENVIRONMENT_TOKEN_ENV: TOKEN}
+    argv = [sys.executable, "-m", "reinforce.environment", "--spec", str(spec_file), "--port", str(port)]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=(work / "server.log").open("wb"))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"the environment service did not start: {(work / 'server.log').read_text()}")
+
+
+async def measure(url: str, action: str, calls: int, concurrency: int) -> dict:
+    latencies: list[float] = []
+
+    async def episode(client: EnvironmentClient, steps: int) -> None:
+        start = await client.reset("benchmark")
+        for _ in range(steps):
+            began = time.perf_counter()
+            result = await client.step(start.episode_id, action)
+            latencies.append(time.perf_counter() - began)
+            assert result.observation is not None and not result.observation.error, result
+        await client.delete(start.episode_id)
+
+    async with EnvironmentClient(url, TOKEN) as client:
+        await episode(client, 3)  # warm-up: first imports, first sandbox
+        latencies.clear()
+        began = time.perf_counter()
+        await asyncio.gather(*(episode(client, calls // concurrency) for _ in range(concurrency)))
+        wall = time.perf_counter() - began
+    ordered = sorted(latencies)
+    return {
+        "concurrency": concurrency,
+        "calls": len(ordered),
+        "calls_per_s": len(ordered) / wall,
+        "p50_ms": 1e3 * statistics.median(ordered),
+        "p99_ms": 1e3 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+    }
+
+
+def render(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        HEADING,
+        "",
+        f"Written by `python benchmarks/environment.py` from `benchmarks/results/environment.json`. Machine: "
+        f"{m['cpus']} CPUs (1-minute load average {m['load_average']:.1f} at the start: other work shared them), "
+        f"Python {m['python']}, sandbox isolation {results['isolation']}. Measured {results['date']}.",
+        "",
+        "One step = one HTTP request that runs one tool call (client and server on the same machine). The python "
+        "tool starts a confined process per call (unshare, a fresh interpreter, rlimits); the calculator evaluates "
+        "in the service.",
+        "",
+        "| tool | concurrent episodes | calls | calls/s | p50 ms | p99 ms |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for tool, rows in results["tools"].items():
+        for r in rows:
+            lines.append(
+                f"| {tool} | {r['concurrency']} | {r['calls']} | {r['calls_per_s']:.0f} | {r['p50_ms']:.1f} "
+                f"| {r['p99_ms']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_section(section: str) -> None:
+    """Replace this script's section of BENCHMARKS.md (up to the next `## ` heading), or append it."""
+    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text).rstrip("\n") + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    MARKDOWN.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=400, help="tool calls per tool and concurrency level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--render", action="store_true", help="only rewrite BENCHMARKS.md from the saved JSON")
+    args = parser.parse_args()
+    if args.render:
+        write_section(render(json.loads(RESULTS.read_text())))
+        return
+    load_average = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="env-bench-") as tmp:
+        process, url = start_server(Path(tmp), max(args.concurrency))
+        try:
+            isolation = httpx.get(url + "/readyz").json()["isolation"]
+            tools = {}
+            for tool, action in ACTIONS.items():
+                tools[tool] = [asyncio.run(measure(url, action, args.calls, c)) for c in args.concurrency]
+                for row in tools[tool]:
+                    print(tool, json.dumps(row))
+        finally:
+            process.terminate()
+            process.wait(10)
+    machine = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "load_average": load_average}
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "isolation": isolation, "tools": tools}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    section = render(results)
+    write_section(section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
