@@ -37,6 +37,8 @@ from kopf.testing import KopfRunner
 from kubernetes import client, config
 
 from generate import crd
+from reinforce.core.spec import respell
+from reinforce.operator.resource import ReinforceRunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "tests" / "integration" / "k8s-test-cluster.sh"
@@ -389,7 +391,8 @@ def wait_for(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.2
 
 
 def example_run(name: str = "tiny", **changes: Any) -> dict[str, Any]:
-    """examples/tiny.yaml as a ReinforceRun; ``changes`` maps dotted spec paths to new values."""
+    """examples/tiny.yaml as a ReinforceRun, spelled in camelCase; ``changes`` maps dotted spec paths (either
+    spelling: the spec is respelled after they are applied) to new values."""
     spec = yaml.safe_load(EXAMPLE.read_text())
     for excluded in crd.EXCLUDED_SPEC_FIELDS:
         spec.pop(excluded, None)
@@ -399,6 +402,7 @@ def example_run(name: str = "tiny", **changes: Any) -> dict[str, Any]:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+    spec = respell(spec, ReinforceRunSpec)  # a ReinforceRun spells its fields in camelCase
     return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": name}, "spec": spec}
 
 

@@ -75,11 +75,12 @@ def spec_schema(
     model: type[BaseModel] = ReinforceRunSpec, exclude: frozenset[str] = EXCLUDED_SPEC_FIELDS
 ) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of a ReinforceRun's ``spec``."""
-    raw = model.model_json_schema(schema_generator=_WithFactoryDefaults)
+    raw = model.model_json_schema(schema_generator=_WithFactoryDefaults)  # fields by their camelCase aliases
     defs = raw.pop("$defs", {})
-    for name in exclude:
-        raw["properties"].pop(name, None)
-    raw["required"] = [r for r in raw.get("required", []) if r not in exclude]
+    excluded = {model.model_fields[name].alias or name for name in exclude}
+    for alias in excluded:
+        raw["properties"].pop(alias, None)
+    raw["required"] = [r for r in raw.get("required", []) if r not in excluded]
     return _structural(raw, defs, "spec")
 
 

@@ -20,8 +20,8 @@ def metrics_markdown() -> str:
 
 
 def kubernetes_reference_markdown() -> str:
-    """The fields a ReinforceRun has beyond a run spec."""
-    return reference_markdown(ReinforceRunSpec, skip=tuple(RunSpec.model_fields))
+    """The fields a ReinforceRun has beyond a run spec, spelled as a ReinforceRun does (camelCase)."""
+    return reference_markdown(ReinforceRunSpec, skip=tuple(RunSpec.model_fields), by_alias=True)
 
 
 def dashboards_markdown() -> str:
@@ -41,7 +41,7 @@ def alerts_markdown() -> str:
 GENERATED = {
     "spec-reference": reference_markdown,
     "kubernetes-reference": kubernetes_reference_markdown,
-    "operator-config": lambda: reference_markdown(OperatorConfig),
+    "operator-config": lambda: reference_markdown(OperatorConfig, by_alias=True),  # the chart's values: camelCase
     "metrics": metrics_markdown,
     "dashboards": dashboards_markdown,
     "alerts": alerts_markdown,

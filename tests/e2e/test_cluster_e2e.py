@@ -119,8 +119,8 @@ def chart_installed(cluster: Cluster) -> Cluster:
     host_port = cluster.api_server.removeprefix("https://")
     values = [
         "hostNetwork=true", f"apiServer={host_port}", f"healthPort={HEALTH_PORT}", "image.pullPolicy=Never",
-        "operatorConfig.profile=host-network", "operatorConfig.image_pull_policy=Never",
-        "operatorConfig.images.redis=reinforce-redis:0.1.0", f"operatorConfig.tenancy.host_network_namespaces={{{RUNS}}}",
+        "operatorConfig.profile=host-network", "operatorConfig.imagePullPolicy=Never",
+        "operatorConfig.images.redis=reinforce-redis:0.1.0", f"operatorConfig.tenancy.hostNetworkNamespaces={{{RUNS}}}",
     ]  # fmt: skip
     args = [HELM, "--kubeconfig", str(cluster.kubeconfig), "install", RELEASE, str(CHART),
             "-n", OPERATOR_NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m"]  # fmt: skip
@@ -305,7 +305,7 @@ def test_pods_deleted_mid_run_lose_no_step(chart_installed: Cluster) -> None:
     """A generator pod, then the trainer pod, force-deleted mid-run: the run succeeds, each prompt trained once."""
     cluster = chart_installed
     folders = persistent_volumes(cluster, "faults")
-    apply_run(cluster, "faults", **{"generation.num_generators": 2, "training.checkpoint_every": 5})
+    apply_run(cluster, "faults", **{"generation.numGenerators": 2, "training.checkpointEvery": 5})
     core = client.CoreV1Api(cluster.api)
     for pod, at_step in (("faults-generator-0", 6), ("faults-trainer-0", 13)):
         wait_for_status(cluster, "faults", lambda s, n=at_step: (s.get("step") or 0) >= n, f"step {at_step}")

@@ -54,6 +54,26 @@ def test_values_file_is_the_model() -> None:
     )
 
 
+def _property_names(schema: Any) -> set[str]:
+    """Every key a values file may spell (the names under each `properties`), at any depth."""
+    if isinstance(schema, list):
+        return set().union(*map(_property_names, schema))
+    if not isinstance(schema, dict):
+        return set()
+    own = set(schema.get("properties", {}))
+    return own | set().union(*map(_property_names, schema.values()))
+
+
+def test_values_are_camel_case_throughout() -> None:
+    """Issue 25: the operator's configuration was snake_case inside camelCase values."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    names = _property_names(schema)
+    assert {"operatorConfig", "imagePullPolicy", "generatorVllm", "hostNetworkNamespaces"} <= names
+    assert not [name for name in names if "_" in name]
+    assert "image_pull_policy" in helm("template", "rel", str(CHART), "--set", "operatorConfig.image_pull_policy=Never",
+                                       check=False).stderr  # fmt: skip
+
+
 def test_lint_passes() -> None:
     result = helm("lint", "--strict", str(CHART))
     assert "0 chart(s) failed" in result.stdout
@@ -104,7 +124,7 @@ def test_namespaces_and_operator_config_reach_the_operator() -> None:
     operator_config = yaml.safe_load(config["data"]["operator.yaml"])
     assert operator_config["images"]["trainer"] == "mine:2"
     # the runs' NetworkPolicies admit the operator from the release's namespace only
-    assert operator_config["operator_namespace"] == "reinforce-system"
+    assert operator_config["operatorNamespace"] == "reinforce-system"
 
 
 def test_watch_namespaces_get_roles_and_nothing_cluster_wide_touches_secrets_or_workloads() -> None:

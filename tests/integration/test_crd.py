@@ -16,6 +16,7 @@ import yaml
 from k8s import API, EXAMPLE, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
 from kubernetes import client
 from pydantic import BaseModel
+from pydantic.alias_generators import to_camel
 
 from generate import crd
 from reinforce.core.spec import RunSpec, load_spec
@@ -45,7 +46,8 @@ def test_spec_schema_is_structural() -> None:
 
 def test_spec_schema_covers_the_model_but_not_name_and_run_dir() -> None:
     properties = crd.spec_schema()["properties"]
-    assert set(properties) == set(ReinforceRunSpec.model_fields) - {"name", "run_dir"}
+    aliases = {field.alias for field in ReinforceRunSpec.model_fields.values()}
+    assert set(properties) == aliases - {"name", "runDir"}  # camelCase, as Kubernetes spells fields
     assert {"suspend", "kubernetes"} < set(properties) and set(RunSpec.model_fields) < set(
         ReinforceRunSpec.model_fields
     )
@@ -59,7 +61,7 @@ def test_spec_schema_covers_the_model_but_not_name_and_run_dir() -> None:
         "exclusiveMinimum": True,
         "minimum": 0,
     }
-    assert properties["training"]["properties"]["adam_betas"]["minItems"] == 2
+    assert properties["training"]["properties"]["adamBetas"]["minItems"] == 2
     assert properties["policy"]["properties"]["path"]["nullable"] is True
     assert properties["reward"]["properties"]["kwargs"]["x-kubernetes-preserve-unknown-fields"] is True
 
@@ -137,10 +139,10 @@ def test_example_is_accepted_and_defaulted_by_the_server(runs: client.CustomObje
     created = runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run())
     spec = created["spec"]
     assert spec["training"]["lr"] == 3e-3  # from the example
-    assert spec["training"]["weight_decay"] == 0  # defaults, filled in by the API server
-    assert spec["reward"]["max_batch_size"] == 64
-    assert spec["restart"] == {"max_restarts": 3, "backoff_s": 1, "max_backoff_s": 30}  # a whole absent section
-    assert spec["policy"]["random_init"]["max_position_embeddings"] == 256
+    assert spec["training"]["weightDecay"] == 0  # defaults, filled in by the API server
+    assert spec["reward"]["maxBatchSize"] == 64
+    assert spec["restart"]["maxRestarts"] == 3 and spec["restart"]["maxBackoffS"] == 30  # a whole absent section
+    assert spec["policy"]["randomInit"]["maxPositionEmbeddings"] == 256
     assert spec["reward"]["kwargs"] == {"char": "a"}  # free-form, kept as written
     # What the server stored is the run the CLI would run: the server's defaults are the model's.
     run = parse_run_resource(created["metadata"]["name"], spec)
@@ -169,7 +171,8 @@ def test_invalid_runs_are_rejected_naming_the_field(
         runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run("bad", **{path: value}))
     assert raised.value.status == 422
     message = json.loads(raised.value.body)["message"]
-    assert f"spec.{path}" in message and complaint in message, message
+    camel = ".".join(to_camel(part) for part in path.split("."))  # example_run takes spec-file paths
+    assert f"spec.{camel}" in message and complaint in message, message
 
 
 @pytest.mark.slow

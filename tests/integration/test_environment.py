@@ -4,6 +4,7 @@ with the real client: episodes, tools, limits, authentication, metrics, and the 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from conftest import free_port
 from reinforce.core.environment_api import EPISODES_PATH
 from reinforce.core.environment_client import EnvironmentClient, EnvironmentServiceError, EpisodeLost
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
+from reinforce.core.spec import dump_spec, parse_spec
+from reinforce.supervisor.main import PROMETHEUS_TARGETS, Supervisor
 
 T = TypeVar("T")
 TOKEN = "environment-test-token"
@@ -293,3 +296,19 @@ def test_escape_100_mb_print(server: Server) -> None:
     rss_kb = int(next(line for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS")).split()[1])  # fmt: skip
     assert rss_kb < 400_000  # the service kept the first bytes only
+
+
+def test_the_supervisor_starts_the_service_with_its_token_only(tmp_path: Path) -> None:
+    spec = parse_spec({**_spec(tmp_path / "run"), "environment": {"enabled": True, "tools": ["calculator"]}})
+    supervisor = Supervisor(spec)
+    supervisor.paths.root.mkdir(parents=True)
+    supervisor.paths.spec.write_text(dump_spec(spec))
+    try:
+        url = supervisor.start_environment()
+        assert httpx.get(url + "/readyz").json()["tools"] == ["calculator"]
+        headers = {"Authorization": f"Bearer {supervisor.env[ENVIRONMENT_TOKEN_ENV]}"}
+        assert httpx.post(url + EPISODES_PATH, json={"prompt": "p"}, headers=headers).status_code == 201
+        targets = json.loads((supervisor.paths.root / PROMETHEUS_TARGETS).read_text())
+        assert [t["labels"]["component"] for t in targets] == ["environment"]
+    finally:
+        supervisor.stop()

@@ -81,11 +81,11 @@ CRITIC_KINDS = {("PersistentVolumeClaim", "critic-data"), ("Service", "critic"),
 
 # ---- the decisions, without a cluster ---------------------------------------------------------------------
 def test_only_mutable_fields_may_change() -> None:
-    accepted = {"training": {"lr": 0.1, "steps": 5}, "generation": {"num_generators": 1, "top_p": 1.0}}
-    wanted = {"training": {"lr": 0.2, "steps": 5}, "generation": {"num_generators": 3, "top_p": 0.9}}
-    assert immutable_changes(accepted, wanted) == ["spec.generation.top_p", "spec.training.lr"]
+    accepted = {"training": {"lr": 0.1, "steps": 5}, "generation": {"numGenerators": 1, "topP": 1.0}}
+    wanted = {"training": {"lr": 0.2, "steps": 5}, "generation": {"numGenerators": 3, "topP": 0.9}}
+    assert immutable_changes(accepted, wanted) == ["spec.generation.topP", "spec.training.lr"]
     assert immutable_changes(accepted, accepted) == []
-    assert "generation.num_generators" in MUTABLE_FIELDS
+    assert "generation.numGenerators" in MUTABLE_FIELDS
 
 
 def _pods(**ready: tuple[int, int]) -> list[PodState]:
@@ -117,7 +117,7 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     config = OperatorConfig.model_validate(
         {
             "images": {"trainer": "img:1"},
-            "pods": {"trainer": {"requests": {"cpu": "4"}, "node_selector": {"pool": "cpu"}}},
+            "pods": {"trainer": {"requests": {"cpu": "4"}, "nodeSelector": {"pool": "cpu"}}},
         }
     )
     spec = ReinforceRunSpec.model_validate(
@@ -125,7 +125,7 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
             **example_run()["spec"],
             "name": "tiny",
             "kubernetes": {
-                "trainer": {"gpus": 2, "node_selector": {"pool": "gpu"}},
+                "trainer": {"gpus": 2, "nodeSelector": {"pool": "gpu"}},
                 "generator": {"image": "gen:2", "tolerations": [{"key": "gpu", "operator": "Exists"}]},
             },
         }
@@ -395,15 +395,15 @@ def test_settings_the_tenancy_does_not_allow_are_refused_naming_them(
     cluster.create_redis_secret("someone-elses", redis_url, consent=False)
     hostile = {
         "generator": {"tolerations": [{"operator": "Exists"}]},
-        "trainer": {"node_selector": {"kubernetes.io/hostname": "control-plane-0"}},
-        "external_redis_secret": "someone-elses",
+        "trainer": {"nodeSelector": {"kubernetes.io/hostname": "control-plane-0"}},
+        "externalRedisSecret": "someone-elses",
     }
     with operator(cluster.namespace):
         cluster.create_run(example_run(**{"kubernetes": hostile}))
         wait_for(lambda: cluster.condition("SpecAccepted").get("reason") == "NotPermitted", 30)
         message = cluster.condition("SpecAccepted")["message"]
-        for field in ("spec.kubernetes.generator.tolerations[0]", "spec.kubernetes.trainer.node_selector",
-                      "spec.kubernetes.external_redis_secret"):  # fmt: skip
+        for field in ("spec.kubernetes.generator.tolerations[0]", "spec.kubernetes.trainer.nodeSelector",
+                      "spec.kubernetes.externalRedisSecret"):  # fmt: skip
             assert field in message, message
         assert cluster.children() == {}, "nothing of a refused run is created"
         run = cluster.run()
@@ -439,7 +439,7 @@ def test_status_moves_from_pending_to_running_and_scaling_and_suspend_follow_the
         assert (status["step"], status["kl"]) == (4, 0.125)
         assert status["observedGeneration"] == cluster.run()["metadata"]["generation"]
 
-        cluster.patch_run("tiny", {"generation": {"num_generators": 3}})
+        cluster.patch_run("tiny", {"generation": {"numGenerators": 3}})
         wait_for(lambda: cluster.replicas()["generator"] == 3, 15)
         wait_for(lambda: cluster.status().get("generatorsReady") == "1/3", 15)
 
@@ -455,7 +455,7 @@ def test_a_change_to_an_immutable_field_is_refused_naming_it(operator_env: Opera
     with operator(cluster.namespace):
         cluster.create_run(example_run())
         config_map = wait_for(lambda: cluster.children().get(("ConfigMap", "tiny-spec")), 30)
-        cluster.patch_run("tiny", {"training": {"lr": 0.5}, "generation": {"num_generators": 2}})
+        cluster.patch_run("tiny", {"training": {"lr": 0.5}, "generation": {"numGenerators": 2}})
         wait_for(lambda: cluster.condition("SpecAccepted").get("status") == "False", 15)
         refused = cluster.condition("SpecAccepted")
         assert refused["reason"] == "ImmutableFieldChanged"

@@ -113,7 +113,7 @@ def test_the_network_policy_pins_the_operator_and_opens_metrics_ports_only(algor
     """R3-9: the operator is let in from its own namespace only, on the ports it calls; anyone else reaches metrics
     ports only, and no metrics port is a control API (generators and the critic serve metrics on ports of their
     own)."""
-    run = run_of(algorithm=algorithm, config={"operator_namespace": "ops"})
+    run = run_of(algorithm=algorithm, config={"operatorNamespace": "ops"})
     objects = children(run)
     [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
     own_pods = policy["spec"]["podSelector"]["matchLabels"]

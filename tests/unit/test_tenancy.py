@@ -13,22 +13,22 @@ from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, ReinforceRunSpec
 from reinforce.operator.tenancy import redis_secret_refusal, refusals
 
 TENANCY = {
-    "toleration_keys": ["gpu"],
-    "node_selectors": {"pool": ["gpu", "cpu"]},
-    "max_resources": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"},
+    "tolerationKeys": ["gpu"],
+    "nodeSelectors": {"pool": ["gpu", "cpu"]},
+    "maxResources": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"},
 }
 CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
 HOSTILE = {
     "generator": {"tolerations": [{"operator": "Exists"}]},
     "redis": {"tolerations": [{"key": CONTROL_PLANE, "operator": "Exists", "effect": "NoSchedule"}]},
     "trainer": {
-        "node_selector": {CONTROL_PLANE: ""},
+        "nodeSelector": {CONTROL_PLANE: ""},
         "requests": {"cpu": "1000", "memory": "16Gi"},
         "limits": {"memory": "1Ti"},
         "gpus": 64,
     },
     "reward": {"requests": {"hugepages-1Gi": "1Gi"}},
-    "critic": {"node_selector": {"pool": "control"}},
+    "critic": {"nodeSelector": {"pool": "control"}},
 }
 
 
@@ -45,20 +45,20 @@ def test_a_hostile_runs_settings_are_refused_by_field_name() -> None:
         "spec.kubernetes.redis.tolerations[0].key",
         "spec.kubernetes.reward.requests.hugepages-1Gi",
         "spec.kubernetes.generator.tolerations[0]",
-        f"spec.kubernetes.trainer.node_selector.{CONTROL_PLANE}",
+        f"spec.kubernetes.trainer.nodeSelector.{CONTROL_PLANE}",
         "spec.kubernetes.trainer.requests.cpu",
         "spec.kubernetes.trainer.limits.memory",
         "spec.kubernetes.trainer.gpus",
-        "spec.kubernetes.critic.node_selector.pool",
+        "spec.kubernetes.critic.nodeSelector.pool",
     ], found
     assert "tolerates every taint" in found[2]
-    assert found[4].endswith("1000 is above tenancy.max_resources.cpu 8")
-    assert found[6].endswith("64 is above tenancy.max_resources.nvidia.com/gpu 2")
+    assert found[4].endswith("1000 is above tenancy.maxResources.cpu 8")
+    assert found[6].endswith("64 is above tenancy.maxResources.nvidia.com/gpu 2")
 
 
 def test_what_the_tenancy_allows_is_accepted() -> None:
     allowed = {
-        "generator": {"tolerations": [{"key": "gpu", "operator": "Exists"}], "node_selector": {"pool": "gpu"}},
+        "generator": {"tolerations": [{"key": "gpu", "operator": "Exists"}], "nodeSelector": {"pool": "gpu"}},
         "trainer": {"requests": {"cpu": "8", "memory": "16Gi"}, "limits": {"memory": "32Gi"}, "gpus": 2},
     }
     assert refusals(run_of(allowed, TENANCY)) == []
@@ -70,26 +70,26 @@ def test_by_default_no_placement_is_allowed_and_resources_are_not_capped() -> No
     assert [m.split(": ", 1)[0] for m in found] == [
         "spec.kubernetes.redis.tolerations[0].key",
         "spec.kubernetes.generator.tolerations[0]",
-        f"spec.kubernetes.trainer.node_selector.{CONTROL_PLANE}",
-        "spec.kubernetes.critic.node_selector.pool",
+        f"spec.kubernetes.trainer.nodeSelector.{CONTROL_PLANE}",
+        "spec.kubernetes.critic.nodeSelector.pool",
     ]
 
 
 def test_a_quantity_that_is_not_one_is_refused_naming_it() -> None:
     [found] = refusals(run_of({"trainer": {"requests": {"cpu": "lots"}}}, TENANCY))
     assert found.startswith("spec.kubernetes.trainer.requests.cpu: 'lots' is not a Kubernetes quantity")
-    with pytest.raises(ValueError, match=r"max_resources\.memory: 'big' is not a Kubernetes quantity"):
-        OperatorConfig.model_validate({"tenancy": {"max_resources": {"memory": "big"}}})
+    with pytest.raises(ValueError, match=r"maxResources\.memory: 'big' is not a Kubernetes quantity"):
+        OperatorConfig.model_validate({"tenancy": {"maxResources": {"memory": "big"}}})
 
 
 def test_the_host_network_profile_only_for_the_namespaces_named() -> None:
     [found] = refusals(run_of({}, {}, profile="host-network", ns="team"))
-    assert found.startswith("namespace team: ") and "tenancy.host_network_namespaces" in found
-    assert refusals(run_of({}, {"host_network_namespaces": ["team"]}, profile="host-network", ns="team")) == []
+    assert found.startswith("namespace team: ") and "tenancy.hostNetworkNamespaces" in found
+    assert refusals(run_of({}, {"hostNetworkNamespaces": ["team"]}, profile="host-network", ns="team")) == []
 
 
 def test_an_external_redis_secret_must_consent() -> None:
-    field = "spec.kubernetes.external_redis_secret: "
+    field = "spec.kubernetes.externalRedisSecret: "
     assert redis_secret_refusal("db", "team", None) == f"{field}there is no Secret db in namespace team"
     refused = redis_secret_refusal("db", "team", {"app": "billing"})
     assert refused == f"{field}Secret db is not labelled {EXTERNAL_REDIS_LABEL}=true (its owner's consent)"

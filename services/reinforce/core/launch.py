@@ -33,6 +33,7 @@ REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="h
 GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="port")
 TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
 CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port")
+ENVIRONMENT = Service("reinforce.environment", names.READY_PATH, probe_port_flag="port")
 
 
 def redis_shell_command(port: int, data_dir: str, config_dir: str, password_env: str) -> str:
@@ -58,4 +59,5 @@ SERVICES = {
     names.COMPONENT_GENERATOR: GENERATOR,
     names.COMPONENT_TRAINER: TRAINER,
     names.COMPONENT_CRITIC: CRITIC,
+    names.COMPONENT_ENVIRONMENT: ENVIRONMENT,
 }

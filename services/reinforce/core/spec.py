@@ -2,6 +2,10 @@
 
 Every field has a documented default. Unknown fields, wrong types and out-of-range values are errors that
 name the field path, e.g. ``training.lr: Input should be greater than 0``.
+
+Each field has two spellings: its snake_case name (``training.num_ranks``, canonical in spec files) and its camelCase
+alias (``training.numRanks``, canonical in a ReinforceRun, as the Kubernetes API conventions spell fields). Both are
+accepted everywhere; an error names the field as the input spelled it. ``respell`` turns one spelling into the other.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic.alias_generators import to_camel
 
 
 class SpecError(ValueError):
@@ -28,7 +33,16 @@ class SpecError(ValueError):
 class _Section(BaseModel):
     # strict: `steps: true` is not 1 and `lr: "1e-3"` not a number (an int is still a valid float);
     # allow_inf_nan=False: `.inf` and `.nan` are no learning rate, back-off or timeout.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    # Fields are read by name or by camelCase alias (module docstring) and written by name unless asked otherwise.
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        allow_inf_nan=False,
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+    )
 
 
 class RandomInit(_Section):
@@ -669,21 +683,56 @@ def dump_spec(spec: RunSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
 
 
-def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] = ()) -> str:
-    """A spec reference table of the README, generated from the model (tests check the README is current)."""
+def respell(data: Any, model: type[BaseModel], by_alias: bool = True) -> Any:
+    """`data`, a mapping of `model`'s fields in either spelling, with each field (nested sections too) spelled by its
+    camelCase alias (by_alias) or its snake_case name. Keys of map-valued fields (labels, resources, reward.kwargs)
+    and keys that are no field are left as they are: validation names those."""
+    if not isinstance(data, dict):
+        return data
+    fields = {key: (name, field) for name, field in model.model_fields.items() for key in (name, field.alias or name)}
+    out = {}
+    for key, value in data.items():
+        if key not in fields:
+            out[key] = value
+            continue
+        name, field = fields[key]
+        out[field.alias if by_alias and field.alias else name] = _respell_value(value, field.annotation, by_alias)
+    return out
+
+
+def _respell_value(value: Any, annotation: Any, by_alias: bool) -> Any:
+    sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
+    if not sections:
+        return value
+    origin = getattr(annotation, "__origin__", None)
+    if origin is list and isinstance(value, list):
+        return [respell(item, sections[0], by_alias) for item in value]
+    if origin is dict and isinstance(value, dict):
+        return {key: respell(item, sections[0], by_alias) for key, item in value.items()}
+    return respell(value, sections[0], by_alias)
+
+
+def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] = (), by_alias: bool = False) -> str:
+    """A spec reference table of the README, generated from the model (tests check the README is current); fields
+    spelled by name (spec files) or by camelCase alias (Kubernetes objects)."""
     rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-    _reference_rows(model, "", rows, skip)
+    _reference_rows(model, "", rows, skip, by_alias)
     return "\n".join(rows)
 
 
 def _reference_rows(
-    model: type[BaseModel], prefix: str, rows: list[str], skip: tuple[str, ...] = (), seen: dict | None = None
+    model: type[BaseModel],
+    prefix: str,
+    rows: list[str],
+    skip: tuple[str, ...] = (),
+    by_alias: bool = False,
+    seen: dict | None = None,
 ) -> None:
     seen = {} if seen is None else seen  # section class -> where its fields are listed (each only once)
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        path = prefix + name
+        path = prefix + (field.alias if by_alias and field.alias else name)
         annotation = field.annotation
         sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
         default = "required" if field.is_required() else _default_text(field)
@@ -701,7 +750,7 @@ def _reference_rows(
         rows.append(f"| `{path}` | {kind or 'section'} | {default} | {meaning} |")
         if section not in seen:
             seen[section] = element
-            _reference_rows(section, element + ".", rows, seen=seen)
+            _reference_rows(section, element + ".", rows, by_alias=by_alias, seen=seen)
 
 
 def _is_section(annotation: Any) -> bool:

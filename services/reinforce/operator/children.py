@@ -5,13 +5,13 @@ For a run R in namespace N:
 - ConfigMap ``R-spec``: the run spec the services read (``/etc/reinforce/spec.yaml``).
 - Secret ``R-secrets``: the generators' control token and, with the run's own Redis, its password and URL.
 - PersistentVolumeClaim ``R-data``: the run folder of the trainer (checkpoints, weights, final model).
-- StatefulSet + Service ``R-redis`` (AOF on a volume), unless ``kubernetes.external_redis_secret`` names one.
+- StatefulSet + Service ``R-redis`` (AOF on a volume), unless ``kubernetes.externalRedisSecret`` names one.
 - Deployment + Service ``R-reward``: the Triton reward server.
-- Deployment ``R-generator``: ``generation.num_generators`` replicas.
+- Deployment ``R-generator``: ``generation.numGenerators`` replicas.
 - algorithm.name ppo: StatefulSet + Service ``R-critic`` and its PersistentVolumeClaim ``R-critic-data`` (the critic's
   initial model and checkpoints; the trainer checkpoints and restores it over HTTP).
-- StatefulSet + headless Service ``R-trainer``: one pod per model replica (``training.num_ranks`` /
-  ``training.tensor_parallel``), each running its replica's ``tensor_parallel`` ranks (tensor parallelism wants the
+- StatefulSet + headless Service ``R-trainer``: one pod per model replica (``training.numRanks`` /
+  ``training.tensorParallel``), each running its replica's ``tensorParallel`` ranks (tensor parallelism wants the
   fast links inside a node; request that many GPUs per trainer pod); torchrun's rendezvous is pod 0 through that
   Service.
 - NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods on any port, from the
@@ -22,7 +22,7 @@ For a run R in namespace N:
 Every pod passes the "restricted" Pod Security Standard (non-root, no privilege escalation, no capabilities,
 RuntimeDefault seccomp) and mounts no service account token: no service of a run calls the Kubernetes API. The
 host-network profile cannot pass it (hostNetwork is what "baseline" already forbids) but keeps every other setting
-of it; it is for a single-node test cluster, and only for the namespaces tenancy.host_network_namespaces names.
+of it; it is for a single-node test cluster, and only for the namespaces tenancy.hostNetworkNamespaces names.
 What a run's own settings may ask for (placement, resources, an external Redis Secret) is operator/tenancy.py's.
 
 Every object carries the run's labels and an ownerReference to the run (controller), so deleting the run
@@ -134,7 +134,7 @@ class OperatorConfig(_Section):
         description="standard: pods reach each other through Services and cluster DNS (real clusters). "
         "host-network: every pod uses the node's network and reaches the others on 127.0.0.1, for a single-node "
         "cluster without kube-proxy or DNS; one run per node, generator i listens on ports.generator + i "
-        "(metrics: ports.generator_metrics + i).",
+        "(metrics: ports.generatorMetrics + i).",
     )
     tenancy: Tenancy = Field(default_factory=Tenancy)
     operator_namespace: str = Field(
@@ -354,14 +354,8 @@ def _pod_template(run: Run, component: str, containers: list[dict], volumes: lis
     if settings.node_selector:
         spec["nodeSelector"] = settings.node_selector
     if settings.tolerations:
-        spec["tolerations"] = [_toleration(t.model_dump(exclude_none=True)) for t in settings.tolerations]
+        spec["tolerations"] = [t.model_dump(exclude_none=True, by_alias=True) for t in settings.tolerations]
     return {"metadata": {"labels": {**run.labels, K8S_COMPONENT_LABEL: component}}, "spec": spec}
-
-
-def _toleration(fields: dict[str, Any]) -> dict[str, Any]:
-    if "toleration_seconds" in fields:
-        fields["tolerationSeconds"] = fields.pop("toleration_seconds")
-    return fields
 
 
 def _spec_volume(run: Run) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -6,7 +6,7 @@ Level-triggered, like the weight reconciler it drives. On every change of a run 
 `status_interval_s` it:
 
 1. validates the spec with the model (resource.py), and refuses changes to fields that cannot change
-   once the run started (everything but `suspend`, `generation.num_generators` and `kubernetes`), naming
+   once the run started (everything but `suspend`, `generation.numGenerators` and `kubernetes`), naming
    them in the `SpecAccepted` condition, and settings the operator's `tenancy` configuration does not allow
    (tenancy.py), naming them likewise; a refused spec applies nothing;
 2. applies every child (children.py) with server-side apply; a suspended or finished run gets zero
@@ -44,7 +44,7 @@ from reinforce.core.metrics import PREFIX, prometheus_name
 from reinforce.core.names import COMPONENT_CRITIC, K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.rollout import GeneratorWeights, WeightReconciler
-from reinforce.core.spec import SpecError
+from reinforce.core.spec import RunSpec, SpecError, respell
 from reinforce.operator.children import (
     REDIS_URL_KEY,
     OperatorConfig,
@@ -62,7 +62,7 @@ RUNS = (GROUP, VERSION, PLURAL)
 FIELD_MANAGER = "reinforce-operator"
 FINALIZER = f"{GROUP}/finalizer"
 # Fields a running run may change; every other spec field is fixed at creation.
-MUTABLE_FIELDS = ("suspend", "kubernetes", "generation.num_generators")
+MUTABLE_FIELDS = ("suspend", "kubernetes", "generation.numGenerators")
 # Objects with generated or bound content: created once, never re-applied.
 CREATE_ONLY = {"Secret", "PersistentVolumeClaim"}
 # kind -> (API class, the snake_case name in its method names)
@@ -273,7 +273,7 @@ def phase_of(
     crashing = [p for p in pods if p.restarts > spec.restart.max_restarts]
     if crashing:
         names = ", ".join(f"{p.name} ({p.restarts} restarts)" for p in crashing)
-        return "Failed", "CrashLooping", f"more than restart.max_restarts={spec.restart.max_restarts}: {names}"
+        return "Failed", "CrashLooping", f"more than restart.maxRestarts={spec.restart.max_restarts}: {names}"
     if spec.suspend:
         return "Suspended", "Suspended", "spec.suspend is true: every component is scaled to zero"
     needed = {"reward": 1, "trainer": trainer_pods(spec.training), "generator": 1}
@@ -370,7 +370,9 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> 
         return
     run = _run(state, body, spec, status)
     accepted = accepted_spec(state.api, run)
-    refused = immutable_changes(accepted, yaml.safe_load(services_spec_yaml(run))) if accepted else []
+    # the services' spec file spells fields by name; the refusal names them as the ReinforceRun does
+    wanted = yaml.safe_load(services_spec_yaml(run))
+    refused = immutable_changes(respell(accepted, RunSpec), respell(wanted, RunSpec)) if accepted else []
     denied = [] if refused else not_permitted(state.api, run)
     conditions = []
     if refused:
@@ -457,15 +459,19 @@ def roll_out_weights(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
         stopped.wait(WEIGHT_POLL_S)
 
 
+def _external_redis_secret(spec: kopf.Spec | dict) -> str | None:
+    return (spec.get("kubernetes") or {}).get("externalRedisSecret")
+
+
 def _uses_external_redis(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("kubernetes") or {}).get("external_redis_secret"))
+    return bool(_external_redis_secret(spec))
 
 
 @kopf.on.delete(*RUNS, when=_uses_external_redis)
 def delete_redis_keys(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
     """The run's own Redis goes with its volume; an external one keeps the keys unless they are deleted."""
     state, meta = _state(memo), body["metadata"]
-    secret = body["spec"]["kubernetes"]["external_redis_secret"]
+    secret = _external_redis_secret(body["spec"])
     try:
         url = redis_url(state.api, meta["namespace"], meta["name"], secret)
         connection = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)

@@ -2,7 +2,9 @@
 
 `ReinforceRunSpec` is `RunSpec` (the same model `reinforce run` reads) with two more fields: `suspend` and a
 `kubernetes` section (images, resources, GPUs, placement, storage, an external Redis). The CRD's schema is
-generated from it (scripts/generate/crd.py), and the operator validates every ReinforceRun with it.
+generated from it (scripts/generate/crd.py), and the operator validates every ReinforceRun with it. A ReinforceRun
+spells every field in camelCase (`training.numRanks`, `kubernetes.trainer.nodeSelector`), as Kubernetes objects do;
+the model takes both spellings (core/spec.py).
 
 Paths in a ReinforceRun (`data.prompts`, `policy.path`, ...) are paths inside the containers: in the image or
 on a volume.

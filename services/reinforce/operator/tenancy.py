@@ -50,7 +50,7 @@ class Tenancy(_Section):
     @classmethod
     def _quantities(cls, ceilings: dict[str, str]) -> dict[str, str]:
         for resource, value in ceilings.items():
-            _quantity(value, f"max_resources.{resource}")
+            _quantity(value, f"maxResources.{resource}")
         return ceilings
 
 
@@ -74,7 +74,7 @@ def refusals(run: Run) -> list[str]:
     if run.host_network and run.namespace not in tenancy.host_network_namespaces:
         found.append(
             f"namespace {run.namespace}: this operator lays runs out on the node's network (profile host-network), "
-            f"which tenancy.host_network_namespaces {tenancy.host_network_namespaces} does not allow here"
+            f"which tenancy.hostNetworkNamespaces {tenancy.host_network_namespaces} does not allow here"
         )
     return found
 
@@ -86,7 +86,7 @@ def _toleration_refusals(tolerations: list[Toleration], where: str, tenancy: Ten
             found.append(f"{where}.tolerations[{i}]: no key, so it tolerates every taint; name one")
         elif toleration.key not in tenancy.toleration_keys:
             found.append(
-                f"{where}.tolerations[{i}].key: {toleration.key!r} is not in tenancy.toleration_keys "
+                f"{where}.tolerations[{i}].key: {toleration.key!r} is not in tenancy.tolerationKeys "
                 f"{tenancy.toleration_keys}"
             )
     return found
@@ -94,7 +94,7 @@ def _toleration_refusals(tolerations: list[Toleration], where: str, tenancy: Ten
 
 def _node_selector_refusals(selector: dict[str, str], where: str, tenancy: Tenancy) -> list[str]:
     return [
-        f"{where}.node_selector.{label}: {value!r} is not allowed by tenancy.node_selectors "
+        f"{where}.nodeSelector.{label}: {value!r} is not allowed by tenancy.nodeSelectors "
         f"({label}: {tenancy.node_selectors.get(label, [])})"
         for label, value in selector.items()
         if value not in tenancy.node_selectors.get(label, [])
@@ -113,7 +113,7 @@ def _resource_refusals(settings: PodSpec, where: str, tenancy: Tenancy) -> list[
     found = []
     for field, resource, value in asked:
         if resource not in ceilings:
-            found.append(f"{field}: tenancy.max_resources sets no ceiling for {resource}, so a run may not ask for it")
+            found.append(f"{field}: tenancy.maxResources sets no ceiling for {resource}, so a run may not ask for it")
             continue
         try:
             above = _quantity(value, field) > _quantity(ceilings[resource], resource)
@@ -121,7 +121,7 @@ def _resource_refusals(settings: PodSpec, where: str, tenancy: Tenancy) -> list[
             found.append(str(err))
             continue
         if above:
-            found.append(f"{field}: {value} is above tenancy.max_resources.{resource} {ceilings[resource]}")
+            found.append(f"{field}: {value} is above tenancy.maxResources.{resource} {ceilings[resource]}")
     return found
 
 
@@ -130,7 +130,7 @@ def redis_secret_refusal(name: str, namespace: str, labels: dict[str, str] | Non
 
     A Secret's `url` goes into every pod of the run (and the operator connects to it): only Secrets whose owner
     labelled them for that purpose qualify, not any Secret a tenant can name."""
-    field = "spec.kubernetes.external_redis_secret"
+    field = "spec.kubernetes.externalRedisSecret"
     if labels is None:
         return f"{field}: there is no Secret {name} in namespace {namespace}"
     if labels.get(EXTERNAL_REDIS_LABEL) != "true":

@@ -36,10 +36,12 @@ from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
     COMPONENT_CRITIC,
+    COMPONENT_ENVIRONMENT,
     COMPONENT_GENERATOR,
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
     CONTROL_TOKEN_ENV,
+    ENVIRONMENT_TOKEN_ENV,
     LOCAL_HOST,
     REDIS_URL_ENV,
 )
@@ -267,6 +269,16 @@ class Supervisor:
         self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
         return url
 
+    def start_environment(self) -> str:
+        """The environment service (environment.enabled), with a token of its own; its port also serves its metrics."""
+        port = free_port()
+        self.add_scrape_target(COMPONENT_ENVIRONMENT, COMPONENT_ENVIRONMENT, port)
+        self.env[ENVIRONMENT_TOKEN_ENV] = secrets.token_urlsafe(24)
+        c = self.component(COMPONENT_ENVIRONMENT, self.service_argv(launch.ENVIRONMENT, port=port))
+        url = f"http://127.0.0.1:{port}"
+        self.wait_until(c, lambda: _http_ok(url + launch.ENVIRONMENT.ready_path))
+        return url
+
     def start_generators(self, reward_url: str) -> dict[str, str]:
         urls = {}
         for i in range(self.spec.generation.num_generators):
@@ -297,6 +309,8 @@ class Supervisor:
         self.start_redis()
         reward_url = self.start_reward()
         critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
+        # the generators' multi-turn rollouts (issue #24, item 3) will send their episodes here
+        self.environment_url = self.start_environment() if self.spec.environment.enabled else None
         generator_urls = self.start_generators(reward_url)
         trainer = self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer)
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
