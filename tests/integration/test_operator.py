@@ -10,6 +10,7 @@ import base64
 import contextlib
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from reinforce.operator.children import (
 )
 from reinforce.operator.main import (
     MUTABLE_FIELDS,
+    STATUS_INTERVAL_S,
     PodState,
     immutable_changes,
     phase_of,
@@ -326,6 +328,11 @@ class Cluster:
         selector = f"app.kubernetes.io/component={component}"
         return self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
 
+    def events(self, name: str = "tiny") -> list[tuple[str, str, str]]:
+        """(type, reason, message) of each Event on the run: what `kubectl describe rr` lists."""
+        found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={name}")
+        return [(e.type, e.reason, e.message) for e in found.items]
+
     def make_ready(self, component: str, count: int = 1) -> list[str]:
         """Play kubelet: wait for `count` pods of the component and report them Running and Ready."""
         pods = wait_for(lambda: (p := self.pods(component)) and len(p) >= count and p, 30)
@@ -395,7 +402,7 @@ def test_settings_the_tenancy_does_not_allow_are_refused_naming_them(
     cluster.create_redis_secret("someone-elses", redis_url, consent=False)
     hostile = {
         "generator": {"tolerations": [{"operator": "Exists"}]},
-        "trainer": {"nodeSelector": {"kubernetes.io/hostname": "control-plane-0"}},
+        "trainer": {"nodeSelector": {"kubernetes.io/hostname": "control-plane-0"}, "image": "attacker/miner:1"},
         "externalRedisSecret": "someone-elses",
     }
     with operator(cluster.namespace):
@@ -562,6 +569,43 @@ def test_a_finished_run_succeeds_and_scales_to_zero(
         wait_for(lambda: set(cluster.replicas().values()) == {0}, 20)
     assert cluster.condition("Ready")["reason"] == "Finished"
     assert ("PersistentVolumeClaim", "tiny-data") in cluster.children(), "the final model's volume is kept"
+
+
+def test_events_tell_the_runs_story(
+    operator_env: OperatorConfig, cluster: Cluster, generator_listening: Any, redis_url: str
+) -> None:
+    """Issue 25: an Event on the run for each phase change, pod restart, weight version rolled out, the finish and a
+    refused spec, each once (the status pass runs every 2 s)."""
+    generator, spec, serve = generator_listening
+    cluster.create_redis_secret("shared-redis", redis_url)
+    queue = RolloutQueue(connect(redis_url), "tiny")
+    with operator(cluster.namespace):
+        cluster.create_run(example_run(**{"kubernetes.externalRedisSecret": "shared-redis", "training.steps": 1}))
+        secret = wait_for(lambda: cluster.children().get(("Secret", "tiny-secrets")), 30)
+        serve(base64.b64decode(secret.data["control-token"]).decode())
+        for component in ("reward", "trainer", "generator"):
+            cluster.make_ready(component)
+        wait_for(lambda: cluster.status().get("phase") == "Running", 20)
+        (pod,) = [p.metadata.name for p in cluster.pods("generator")]
+        restarted = {"name": "generator", "image": "x", "imageID": "", "ready": True, "restartCount": 1,
+                     "state": {"running": {}}}  # fmt: skip
+        cluster.core.patch_namespaced_pod_status(pod, cluster.namespace, {"status": {"containerStatuses": [restarted]}})
+        wait_for(lambda: any(e[1] == "PodRestarted" for e in cluster.events()), 20)
+        queue.publish_weights(publish(generator.engine.model, RunPaths(spec.resolved_run_dir()).weights, version=1))
+        wait_for(lambda: cluster.status().get("phase") == "Succeeded", 30)
+        cluster.patch_run("tiny", {"training": {"lr": 0.5}})
+        wait_for(lambda: any(e[1] == "ImmutableFieldChanged" for e in cluster.events()), 20)
+        time.sleep(2 * STATUS_INTERVAL_S)  # more status passes: nothing is posted twice
+    events = cluster.events()
+    reasons = [reason for _, reason, _ in events]
+    assert reasons.count("Training") == 1 and reasons.count("PodRestarted") == 1, events
+    assert ("Normal", "Training", "phase Pending -> Running: step 0 of 1") in events
+    assert ("Warning", "PodRestarted", f"pod {pod} (generator) restarted: 1 restarts in all") in events
+    assert ("Normal", "WeightsRolledOut", "every ready generator (1) loaded weight version 1") in events
+    assert ("Normal", "Finished", "phase Running -> Succeeded: trained all 1 steps") in events
+    refused = next(e for e in events if e[1] == "ImmutableFieldChanged")
+    assert refused[0] == "Warning" and refused[2].startswith("spec.training.lr: cannot change"), refused
+    assert any(e[:2] == ("Normal", "ComponentsNotReady") and "phase none -> Pending" in e[2] for e in events)
 
 
 def generator_versions(cluster: Cluster) -> dict[str, int | None]:

@@ -11,7 +11,9 @@ Level-triggered, like the weight reconciler it drives. On every change of a run 
    (tenancy.py), naming them likewise; a refused spec applies nothing;
 2. applies every child (children.py) with server-side apply; a suspended or finished run gets zero
    replicas everywhere;
-3. observes the pods and the trainer's metrics and writes the status.
+3. observes the pods and the trainer's metrics and writes the status;
+4. posts an Event on the run (`kubectl describe rr`) for each phase change, spec refusal, pod restart seen and
+   weight version every ready generator has loaded.
 
 Apart from those passes a per-run loop (kopf daemon) has every ready generator load the published weight
 version (core/rollout.py's reconciler, the local supervisor's too) within WEIGHT_POLL_S of its publication.
@@ -183,6 +185,9 @@ class RunMemory:
     loaded: list[GeneratorWeights] = field(default_factory=list)
     # when the last step's weights were first seen published (the generators get FINAL_SYNC_S to load them)
     final_published_at: float | None = None
+    # what the events said last: each pod's restart count, the weight version every ready generator had loaded
+    restarts: dict[str, int] = field(default_factory=dict)
+    rolled_out: int | None = None
 
     def close(self) -> None:
         if self.reconciler is not None:
@@ -306,11 +311,49 @@ def _state(memo: kopf.Memo) -> OperatorState:
     return memo["state"]
 
 
-def _invalid(patch: kopf.Patch, status: dict, message: str, generation: int) -> None:
+def _invalid(body: kopf.Body, patch: kopf.Patch, status: dict, message: str, generation: int) -> None:
     patch.status["phase"] = "Failed"
     patch.status["observedGeneration"] = generation
     refused = condition("SpecAccepted", False, "InvalidSpec", message, generation)
+    announce_refusal(body, status, refused)
+    announce_phase(body, status.get("phase"), "Failed", "InvalidSpec", "the spec is refused")
     patch.status["conditions"] = with_transition_times([refused], status.get("conditions", []))
+
+
+# ---- events: what `kubectl describe rr` tells ---------------------------------------------------------------
+# Each pass sees the whole state: an event is posted only where it differs from what the run's status (or, for
+# restarts and weights, the operator's memory of the run) said before, so a pass every 2 s posts nothing new.
+def announce_phase(body: kopf.Body, before: str | None, phase: str, reason: str, message: str) -> None:
+    if phase != before:
+        kind = "Warning" if phase == "Failed" else "Normal"
+        kopf.event(body, type=kind, reason=reason, message=f"phase {before or 'none'} -> {phase}: {message}")
+
+
+def announce_refusal(body: kopf.Body, status: dict, accepted: dict[str, Any]) -> None:
+    """A refused spec (SpecAccepted False), once per refusal: posted when the condition's reason or message
+    changes."""
+    previous = next((c for c in status.get("conditions", []) if c["type"] == "SpecAccepted"), {})
+    same = all(previous.get(key) == accepted[key] for key in ("status", "reason", "message"))
+    if accepted["status"] == "False" and not same:
+        kopf.event(body, type="Warning", reason=accepted["reason"], message=accepted["message"])
+
+
+def announce_restarts(body: kopf.Body, pods: list[PodState], memory: RunMemory) -> None:
+    """Restarts seen since the last pass (a pod first seen is counted from there: the operator may be new)."""
+    for pod in pods:
+        before = memory.restarts.get(pod.name)
+        if before is not None and pod.restarts > before:
+            message = f"pod {pod.name} ({pod.component}) restarted: {pod.restarts} restarts in all"
+            kopf.event(body, type="Warning", reason="PodRestarted", message=message)
+        memory.restarts[pod.name] = pod.restarts
+
+
+def announce_rollout(body: kopf.Body, published: int | None, ready_generators: int, memory: RunMemory) -> None:
+    """Called when no ready generator lags: weight version `published` is rolled out."""
+    if published is not None and ready_generators and published != memory.rolled_out:
+        message = f"every ready generator ({ready_generators}) loaded weight version {published}"
+        kopf.event(body, type="Normal", reason="WeightsRolledOut", message=message)
+        memory.rolled_out = published
 
 
 @kopf.on.startup()
@@ -366,7 +409,7 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> 
     try:
         spec = parse_run_resource(meta["name"], dict(body["spec"]))
     except SpecError as err:
-        _invalid(patch, status, str(err), generation)
+        _invalid(body, patch, status, str(err), generation)
         return
     run = _run(state, body, spec, status)
     accepted = accepted_spec(state.api, run)
@@ -386,12 +429,16 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> 
             apply(state.api, obj)
         conditions.append(condition("SpecAccepted", True, "Applied", "every child is applied", generation))
         patch.status["observedGeneration"] = generation
-    observe(state, run, patch, status, conditions)
+    announce_refusal(body, status, conditions[0])
+    observe(state, body, run, patch, status, conditions)
 
 
-def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, conditions: list[dict]) -> None:
+def observe(
+    state: OperatorState, body: kopf.Body, run: Run, patch: kopf.Patch, status: dict, conditions: list[dict]
+) -> None:
     memory = state.runs.setdefault(run.uid, RunMemory())
     pods = pod_states(state.api, run)
+    announce_restarts(body, pods, memory)
     generators = [p for p in pods if p.component == "generator"]
     memory.run = run
     memory.generator_urls = {
@@ -413,6 +460,9 @@ def observe(state: OperatorState, run: Run, patch: kopf.Patch, status: dict, con
         not lagging or time.monotonic() - memory.final_published_at > FINAL_SYNC_S
     )
     phase, reason, message = phase_of(run.spec, pods, published, finished, final_synced)
+    announce_phase(body, status.get("phase"), phase, reason, message)
+    if not lagging:
+        announce_rollout(body, published, _ready(pods, "generator"), memory)
     generation = conditions[0]["observedGeneration"]
     conditions.append(condition("Ready", phase == "Running", reason, message, generation))
     in_sync = f"every ready generator has version {published}" if not lagging else f"behind: {', '.join(lagging)}"
