@@ -14,7 +14,9 @@ import pytest
 
 from reinforce.core.run_dir import RunPaths
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
-from runs import reinforce, start, wait_for_step, write_spec
+from reinforce.supervisor.main import PROMETHEUS_TARGETS
+from reinforce.trainer.checkpoint import list_checkpoints
+from runs import assert_each_step_trained_once, reinforce, start, wait_for_step, write_spec
 
 pytestmark = pytest.mark.slow
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # gRPC binds IPv4 loopback as mapped IPv6
@@ -86,3 +88,46 @@ def test_a_lock_left_by_a_dead_supervisor_is_taken_over(tmp_path: Path) -> None:
     lock = RunLock(lock_file)
     assert lock_file.read_text().strip() == str(psutil.Process().pid)
     lock.release()
+
+
+def test_resume_sets_a_damaged_checkpoint_aside_and_refuses_another_runs(tmp_path: Path) -> None:
+    """Issue #30, R3-13: the newest checkpoint's model file truncated, `--resume` names the file, sets the
+    checkpoint aside and redoes the steps from the one before; checkpoints of another run are refused at once."""
+    spec = write_spec(tmp_path, training={"steps": 4, "checkpoint_every": 2})
+    first = reinforce("run", str(spec))
+    assert first.returncode == 0, first.stderr[-2000:]
+    run = RunPaths(tmp_path / "run")
+    model = run.checkpoints / "step-000004" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:1000])
+
+    resumed = reinforce("run", "--resume", str(run.root))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    trainer_log = (run.logs / "trainer.log").read_text()
+    assert f"{model} holds 1000 bytes" in trainer_log and "set aside as" in trainer_log
+    assert (run.checkpoints / "damaged-step-000004").is_dir()
+    assert [p.name for p in list_checkpoints(run.checkpoints)] == ["step-000002", "step-000004"]  # redone
+    assert_each_step_trained_once(run.root, 4)
+
+    this_run = run.run_id.read_text().strip()
+    run.run_id.write_text("another-run\n")  # as if the checkpoints had been copied in from elsewhere
+    refused = reinforce("run", "--resume", str(run.root), timeout=120)
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    assert f"belongs to run {this_run}, not to this run (another-run)" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_full_disk_ends_the_run_with_one_error_line_and_no_partial_files(tmp_path: Path) -> None:
+    """Issue #30, R3-14: the run folder's spec.yaml on a full disk (/dev/full: every write fails with ENOSPC):
+    one `error:` line, no traceback; partial files an earlier life left are deleted at the start."""
+    spec = write_spec(tmp_path)
+    run = RunPaths(tmp_path / "run")
+    run.weights.mkdir(parents=True)
+    partial = [run.weights / "v000003.tmp", run.root / f".{PROMETHEUS_TARGETS}.tmp"]
+    for path in partial:
+        path.write_text("half")
+    run.spec.symlink_to("/dev/full")
+    result = reinforce("run", str(spec), timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1].startswith("error: the disk is full: [Errno 28] No space left on device")
+    assert "Traceback" not in result.stderr
+    assert not any(path.exists() for path in partial)

@@ -153,7 +153,7 @@ def test_checkpoint_round_trip_keeps_last_k(tmp_path):
         backend.policy(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
         backend.optimizer_step()
         state = TrainerState(step, {"epoch": 0, "index": step}, step)
-        save_checkpoint(tmp_path / "ckpt", state, backend, keep=2)
+        save_checkpoint(tmp_path / "ckpt", state, backend, keep=2, run_id="r")
     assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step-000002", "step-000003"]
 
     restored = TorchBackend(training, policy_dir, Ranks())
@@ -225,7 +225,9 @@ def test_checkpoint_files_and_folders_are_fsynced_before_and_after_the_rename(tm
 
     monkeypatch.setattr(durable.os, "fsync", fsync)
     monkeypatch.setattr(durable.os, "replace", replace)
-    final = save_checkpoint(tmp_path / "ckpt", TrainerState(1, {"epoch": 0, "index": 1}, 1), backend, keep=2)
+    final = save_checkpoint(
+        tmp_path / "ckpt", TrainerState(1, {"epoch": 0, "index": 1}, 1), backend, keep=2, run_id="r"
+    )
     renamed = events.index(("rename", str(final)))
     synced_before = {path for kind, path in events[:renamed] if kind == "fsync"}
     tmp = str(tmp_path / "ckpt" / ".tmp-step-000001")

@@ -78,6 +78,9 @@ def read_prompt_file(path: str | Path, on_bad_line: OnBadLine = "error", prompt_
     suffix = path.suffix.lower()
     if path.is_dir() and any((path / m).exists() for m in DATASETS_MARKERS):
         records, where = _dataset_rows(path, prompt_field), "row"
+    elif path.exists() and not (path.is_file() or path.is_dir()):
+        # a FIFO would block the reader forever (a device or socket no better): only files and folders are read
+        raise DataError(f"{path}: not a regular file (a FIFO, device or socket), so not a prompt file")
     elif suffix in PARQUET_SUFFIXES:
         records, where = _parquet_rows(path, prompt_field), "row"
     elif path.is_dir():

@@ -37,8 +37,12 @@ def replace_durably(source: Path, target: Path) -> None:
 def write_text_atomically(path: Path, text: str) -> None:
     """Replace `path` with `text`: readers see the old content or the new, never a mix, even after a crash."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    replace_durably(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep a partial copy beside the file
+        raise

@@ -30,6 +30,12 @@ class SpecError(ValueError):
     """A run spec that cannot be used; the message names the file and every bad field path."""
 
 
+# A spec is a few KB: a larger file is a mistake (or an attack) and is refused before it is parsed.
+MAX_SPEC_BYTES = 1 << 20
+# Nesting levels of a spec's mappings and lists (a section is 2; reward.kwargs adds the function's own few).
+MAX_SPEC_DEPTH = 32
+
+
 class _Section(BaseModel):
     # strict: `steps: true` is not 1 and `lr: "1e-3"` not a number (an int is still a valid float);
     # allow_inf_nan=False: `.inf` and `.nan` are no learning rate, back-off or timeout.
@@ -512,7 +518,7 @@ class ValidationSpec(_Section):
 
 
 class LoggingSpec(_Section):
-    """Where the trainer's main rank writes the step metrics besides metrics.jsonl and Prometheus."""
+    """Where the trainer's main rank writes the step metrics besides metrics.jsonl and Prometheus; component logs."""
 
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -521,6 +527,12 @@ class LoggingSpec(_Section):
         "names as metrics.jsonl, the spec as the run's config; a resumed run continues the same tracker run.",
     )
     project: str | None = Field(None, description="wandb project / mlflow experiment name (default: the run name).")
+    max_component_log_mb: float = Field(
+        64.0,
+        gt=0,
+        description="`reinforce run`: a component's log (RUN_DIR/logs/NAME.log) past this size is copied to "
+        "NAME.log.1, replacing the older copy, and emptied (on a cluster the kubelet rotates container logs).",
+    )
 
 
 class WeightsSpec(_Section):
@@ -548,9 +560,21 @@ class QueueSpec(_Section):
 class RestartSpec(_Section):
     """How the local supervisor restarts a crashed component (Kubernetes' restart policy does it on a cluster)."""
 
-    max_restarts: int = Field(3, ge=0, description="Restarts of one component before the run gives up (0: none).")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Restarts of one component before the run gives up (0: none), counted since its restart count "
+        "was last reset (`reset_after_s`).",
+    )
     backoff_s: float = Field(1.0, gt=0, description="Wait before the first restart; doubles with each restart.")
     max_backoff_s: float = Field(30.0, gt=0, description="Longest wait between restarts.")
+    reset_after_s: float = Field(
+        600.0,
+        gt=0,
+        description="A component that ran this long since its last restart exits with its restart count (and "
+        "back-off) reset to zero, as the kubelet resets its back-off after 10 minutes: faults hours apart do not "
+        "end a long run.",
+    )
 
 
 class RunSpec(_Section):
@@ -660,20 +684,69 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 def parse_spec(data: Any, source: str = "spec") -> RunSpec:
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a run spec must be a mapping, got {type(data).__name__}")
+    if too_deep := _nested_too_deep(data):
+        raise SpecError(f"{source}: {too_deep}: nested deeper than {MAX_SPEC_DEPTH} levels")
     try:
         return RunSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(format_validation_error(err, source)) from None
 
 
+def _nested_too_deep(data: Any) -> str | None:
+    """The field path (its first levels) of a value nested past MAX_SPEC_DEPTH, or None. Iterative: a deep value
+    must not be a RecursionError here either (specs also come from the Kubernetes API, not only from YAML)."""
+    stack: list[tuple[Any, int, str]] = [(data, 0, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_SPEC_DEPTH:
+            return path
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, child in children:
+            step = f"[{key}]" if isinstance(value, list) else f".{key}" if path else str(key)
+            stack.append((child, depth + 1, path + step if depth < 3 else path.removesuffix("...") + "..."))
+    return None
+
+
+class _Refused(yaml.YAMLError):
+    """YAML the spec loader does not take (an alias, too deep a nesting); the message names the line."""
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """safe_load without aliases and with a nesting cap. An alias shares a node, so a 1 KB file of nested aliases
+    stands for gigabytes once anything walks or dumps it (the supervisor writes the spec back); and PyYAML
+    composes nodes recursively, so a deep enough nesting would be a RecursionError."""
+
+    def __init__(self, stream: bytes) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(f"line {line}: YAML aliases (*{event.anchor}) are not allowed in a run spec")
+        if self._depth >= MAX_SPEC_DEPTH:
+            raise _Refused(f"line {line}: nested deeper than {MAX_SPEC_DEPTH} levels")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def load_spec(path: str | Path) -> RunSpec:
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as err:
         raise SpecError(f"{path}: cannot read run spec: {err.strerror}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: larger than {MAX_SPEC_BYTES} bytes, too large for a run spec")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(raw, Loader=_SpecLoader)  # a SafeLoader, stricter still
+    except _Refused as err:
+        raise SpecError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML: {err}") from None
     return parse_spec(data, str(path))

@@ -133,8 +133,12 @@ def publish(
     tensors = distinct_tensors(model) if isinstance(model, torch.nn.Module) else model
     if dtype is not None:
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    num_bytes, digest = write_safetensors(tmp, tensors, {"version": str(version), **(metadata or {})})
-    os.replace(tmp, path)
+    try:
+        num_bytes, digest = write_safetensors(tmp, tensors, {"version": str(version), **(metadata or {})})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep a partial version beside the others
+        raise
     _prune(weights_dir, keep_from=version - keep + 1)
     uri = f"{base_url.rstrip('/')}{WEIGHTS_ROUTE}{path.name}" if base_url else str(path.resolve())
     return WeightVersion(

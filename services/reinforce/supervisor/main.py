@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from transformers import AutoConfig
 from reinforce.core import launch
 from reinforce.core.dali_prompts import read_shard_index
 from reinforce.core.data import DataError, read_prompt_file
+from reinforce.core.durable import write_text_atomically
 from reinforce.core.metrics import file_sd_target, read_metrics
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
@@ -48,11 +50,12 @@ from reinforce.core.names import (
 from reinforce.core.optional import MissingPackage, require_engine
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler
-from reinforce.core.run_dir import RunPaths
+from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT, THREADS_ENV, thread_count
 from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
+from reinforce.trainer.checkpoint import ForeignCheckpoint, refuse_foreign_checkpoints
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
@@ -79,16 +82,31 @@ class Component:
     process: subprocess.Popen | None = None
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of a scheduled restart
+    started_at: float = 0.0  # monotonic time of the last (re)start
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.threads is not None:
             env = {**env, THREADS_ENV: str(self.threads)}
+        # O_APPEND: every write lands at the end, also after rotate_log truncated the file under the process
         with self.log_path.open("ab") as out:
             # own process group: Ctrl-C reaches the supervisor only, which then stops children in order
             self.process = subprocess.Popen(
                 self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        self.started_at = time.monotonic()
+
+    def rotate_log(self, max_bytes: int) -> None:
+        """Past `max_bytes`, the log is copied to NAME.log.1 (replacing the older copy) and emptied: the process
+        keeps its descriptor, so the file is truncated in place (logrotate's copytruncate; output written during
+        the copy can be lost)."""
+        try:
+            if self.log_path.stat().st_size <= max_bytes:
+                return
+            shutil.copyfile(self.log_path, self.log_path.with_name(self.log_path.name + ".1"))
+            os.truncate(self.log_path, 0)
+        except OSError as err:  # a full disk: the run goes on, its log unrotated
+            log.warning("rotating %s failed: %s", self.log_path, err)
 
     def exit_code(self) -> int | None:
         return self.process.poll() if self.process else None
@@ -196,6 +214,7 @@ class Supervisor:
         # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
         self.weights_port = free_port() if spec.weights.transport == "http" else None
         self.threads = thread_shares(spec, thread_count())
+        self.max_log_bytes = int(spec.logging.max_component_log_mb * 2**20)
 
     def component(self, name: str, argv: list[str], threads: int | None = None) -> Component:
         c = Component(name, argv, self.paths.logs / f"{name}.log", threads)
@@ -299,10 +318,7 @@ class Supervisor:
 
     def write_scrape_targets(self) -> None:
         """Rewritten whole, by rename: Prometheus watches the file and must never read half of it."""
-        path = self.paths.root / PROMETHEUS_TARGETS
-        partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps(self.scrape_targets, indent=2) + "\n")
-        partial.replace(path)
+        write_text_atomically(self.paths.root / PROMETHEUS_TARGETS, json.dumps(self.scrape_targets, indent=2) + "\n")
 
     def run(self) -> None:
         self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
@@ -328,6 +344,7 @@ class Supervisor:
             while trainer.exit_code() != 0:
                 for c in self.components:
                     self.supervise(c)
+                    c.rotate_log(self.max_log_bytes)
                 reconciler.reconcile_once()
                 progress.update()
                 time.sleep(0.05)
@@ -346,6 +363,14 @@ class Supervisor:
         if code is None:
             return
         policy = self.spec.restart
+        if c.restarts and time.monotonic() - c.started_at >= policy.reset_after_s:
+            # like the kubelet's back-off reset: faults hours apart do not add up to a crash loop
+            tqdm.write(
+                f"component {c.name} ran {time.monotonic() - c.started_at:.0f}s since its last restart: "
+                f"its restart count ({c.restarts}) is reset",
+                file=sys.stderr,
+            )
+            c.restarts = 0
         if c.restarts >= policy.max_restarts:
             raise c.failure(code)
         c.stop()  # reap what is left of its process group (Triton runs as a grandchild and holds the ports)
@@ -368,7 +393,11 @@ class Supervisor:
                 log.exception("stopping component %s failed; stopping the others", c.name)
         # A stopped run has nothing to scrape (and no alert should report its processes as down).
         self.scrape_targets.clear()
-        self.write_scrape_targets()
+        try:
+            self.write_scrape_targets()
+        except OSError as err:  # a full disk: no file lists no targets either, and deleting frees space
+            log.warning("rewriting %s failed (%s): deleting it", PROMETHEUS_TARGETS, err)
+            (self.paths.root / PROMETHEUS_TARGETS).unlink(missing_ok=True)
 
 
 def _redis_pings(client: redis.Redis) -> bool:
@@ -435,6 +464,12 @@ def prepare_run_dir(spec: RunSpec, resume: bool, overwrite: bool) -> tuple[RunPa
     if not resume:
         shutil.rmtree(paths.redis, ignore_errors=True)  # a fresh run starts from an empty queue
     paths.root.mkdir(parents=True, exist_ok=True)
+    paths.remove_partial_files()  # what an earlier life's crash or full disk left half-written
+    try:
+        refuse_foreign_checkpoints(paths.checkpoints, ensure_run_id(paths))
+    except ForeignCheckpoint as err:
+        lock.release()
+        raise RunFailed(str(err)) from None
     return paths, lock
 
 
@@ -456,6 +491,11 @@ def run_command(args: argparse.Namespace) -> int:
         return _run(args)
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: the disk is full: {err}; free space, then `reinforce run --resume`", file=sys.stderr)
         return 1
 
 
@@ -498,6 +538,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         signals.stopping = True  # from here on a signal cannot interrupt the shutdown, however many come
         supervisor.stop()
+        paths.remove_partial_files()  # a component that died mid-write (a full disk) left them
     _print_summary(paths)
     return 0
 

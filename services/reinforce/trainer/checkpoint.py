@@ -6,11 +6,19 @@ checkpoints/step-000010/
                          megatron backend one file per shard (backends/megatron/checkpoint.py)
     rng.pt               torch RNG state
     trainer_state.json   step, data cursor, published weight version
+    manifest.json        written last: the run's id (RUN_DIR/run_id) and each other file's size and sha256
+
+A resume takes the newest checkpoint whose files match its manifest: a damaged one (a truncated or changed file,
+no manifest) is renamed damaged-step-NNNNNN, logged naming the file, and the one before is used. A checkpoint
+whose manifest names another run is refused, naming both run ids: its files belong to another history. The
+rotation (`keep`) runs after a checkpoint is written and hashed from the disk, and deletes only older ones, so
+the newest known-good checkpoint is always kept.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +27,18 @@ from typing import Any
 import torch
 
 from reinforce.core.durable import fsync_tree, replace_durably
+from reinforce.core.weights import sha256_of
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.distributed import Ranks
 
+log = logging.getLogger(__name__)
 _PREFIX = "step-"
+MANIFEST = "manifest.json"
+_DAMAGED = "damaged-"
+
+
+class ForeignCheckpoint(RuntimeError):
+    """A checkpoint written by another run; the message names both run ids."""
 
 
 @dataclass
@@ -37,9 +53,12 @@ def save_checkpoint(
     state: TrainerState,
     backend: TrainerBackend,
     keep: int,
+    run_id: str,
     ranks: Ranks | None = None,
 ) -> Path:
-    """Every process calls it; the main one alone unless the backend is sharded (each process writes its part)."""
+    """Every process calls it; the main one alone unless the backend is sharded (each process writes its part).
+
+    `run_id` (the main process's; others may pass "") goes into the manifest."""
     ranks = ranks or Ranks()
     final = root / f"{_PREFIX}{state.step:06d}"
     tmp = root / f".tmp-{_PREFIX}{state.step:06d}"
@@ -53,6 +72,7 @@ def save_checkpoint(
     if ranks.is_main:
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
+        _write_manifest(tmp, run_id)  # last: it vouches for every other file
         fsync_tree(tmp)  # the data on disk before the name that promises it is complete
         shutil.rmtree(final, ignore_errors=True)
         replace_durably(tmp, final)
@@ -64,6 +84,83 @@ def save_checkpoint(
 
 def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir())
+
+
+def _write_manifest(folder: Path, run_id: str) -> None:
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+    (folder / MANIFEST).write_text(json.dumps({"run_id": run_id, "files": files}, indent=1))
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("run_id"), str)):
+        return None
+    files = manifest.get("files")
+    return manifest if isinstance(files, dict) and all(isinstance(f, dict) for f in files.values()) else None
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder, naming the file (None: every file matches its manifest)."""
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        return f"{folder / MANIFEST} is missing or unreadable"
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            return f"{path} holds {size} bytes, its manifest says {expected.get('bytes')}"
+        if sha256_of(path) != expected.get("sha256"):
+            return f"{path} does not match its sha256 in the manifest"
+    return None
+
+
+def refuse_foreign_checkpoints(root: Path, run_id: str) -> None:
+    """Raise ForeignCheckpoint if a checkpoint's manifest names another run (reads the manifests only)."""
+    for folder in list_checkpoints(root):
+        manifest = _read_manifest(folder)
+        if manifest is not None and manifest["run_id"] != run_id:
+            raise ForeignCheckpoint(
+                f"checkpoint {folder} belongs to run {manifest['run_id']}, not to this run ({run_id}): "
+                "move it away, or resume the run it belongs to"
+            )
+
+
+def newest_intact_checkpoint(root: Path, run_id: str, ranks: Ranks | None = None) -> Path | None:
+    """The checkpoint to resume from. Every process calls it: the main one checks the checkpoints, newest first,
+    setting damaged ones aside (renamed damaged-step-NNNNNN) until one is intact, and refuses one of another run
+    (ForeignCheckpoint); then every process takes the newest left."""
+    ranks = ranks or Ranks()
+    if ranks.is_main:
+        refuse_foreign_checkpoints(root, run_id)
+        for folder in reversed(list_checkpoints(root)):
+            problem = damage(folder)
+            if problem is None:
+                break
+            aside = _set_aside(folder)
+            log.error("checkpoint %s is damaged (%s): set aside as %s; trying the one before", folder, problem, aside)
+    ranks.barrier()  # every process sees the same checkpoints from here on
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def _set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint out of the rotation's and the resume's sight, keeping it for inspection."""
+    aside = folder.with_name(_DAMAGED + folder.name)
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = folder.with_name(f"{_DAMAGED}{folder.name}-{n}")
+    replace_durably(folder, aside)
+    return aside
 
 
 def load_checkpoint(path: Path, backend: TrainerBackend) -> TrainerState:

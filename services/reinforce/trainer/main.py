@@ -29,7 +29,7 @@ from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
-from reinforce.core.run_dir import RunPaths
+from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.threads import configure_threads
 from reinforce.core.trackers import Trackers
@@ -37,7 +37,7 @@ from reinforce.core.weights import WeightServer, publish
 from reinforce.trainer.algorithms import build_algorithm
 from reinforce.trainer.backends import build_backend
 from reinforce.trainer.batch import StepBatch
-from reinforce.trainer.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import PromptFeeder
@@ -82,6 +82,7 @@ class Trainer:
         self.ranks = ranks or Ranks()
         self.consumer = f"trainer-{self.ranks.rank}"
         self.paths = RunPaths(spec.resolved_run_dir())
+        self.run_id = ensure_run_id(self.paths) if self.ranks.is_main else ""  # named by checkpoint manifests
         # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns);
         # before seeding, so that building it leaves the trainer's random state as it would be otherwise.
         materialize_policy(spec.policy, self.paths.initial_policy, spec.seed)
@@ -109,12 +110,12 @@ class Trainer:
 
     # ---- run ---------------------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
-        checkpoints = list_checkpoints(self.paths.checkpoints)
-        if checkpoints:
-            state = load_checkpoint(checkpoints[-1], self.backend)
+        checkpoint = newest_intact_checkpoint(self.paths.checkpoints, self.run_id, self.ranks)
+        if checkpoint is not None:
+            state = load_checkpoint(checkpoint, self.backend)
             self.feeder.cursor = self.feeder.cursor.restored(state.cursor)
             self.step = state.step
-            log.info("resumed from %s at step %d", checkpoints[-1], self.step)
+            log.info("resumed from %s at step %d", checkpoint, self.step)
         self.algorithm.restore(self.step)
         # Steps after the checkpoint (all of them when a first life died before its first checkpoint) are
         # redone, so their rows from the earlier life go.
@@ -213,7 +214,7 @@ class Trainer:
         if self.ranks.is_main:
             self.algorithm.save(self.step)  # first: a trainer checkpoint always has the algorithm's beside it
         keep = self.spec.training.keep_checkpoints
-        path = save_checkpoint(self.paths.checkpoints, state, self.backend, keep, self.ranks)
+        path = save_checkpoint(self.paths.checkpoints, state, self.backend, keep, self.run_id, self.ranks)
         log.info("checkpoint %s", path)
 
     def finish(self) -> None:

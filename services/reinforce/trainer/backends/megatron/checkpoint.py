@@ -13,6 +13,7 @@ Adam's moments too: a checkpoint written with TP=2 loads into TP=1 (or 4) exactl
 
 Every rank writes into the same folder, on storage every rank sees; the trainer (trainer/checkpoint.py) hands
 it a temporary folder and renames it once every rank has written, so a crash never leaves one that looks complete.
+Its manifest there covers every shard: a resume checks each one's sha256 before any rank loads it.
 """
 
 from __future__ import annotations
