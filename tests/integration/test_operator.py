@@ -410,7 +410,7 @@ def test_settings_the_tenancy_does_not_allow_are_refused_naming_them(
         wait_for(lambda: cluster.condition("SpecAccepted").get("reason") == "NotPermitted", 30)
         message = cluster.condition("SpecAccepted")["message"]
         for field in ("spec.kubernetes.generator.tolerations[0]", "spec.kubernetes.trainer.nodeSelector",
-                      "spec.kubernetes.externalRedisSecret"):  # fmt: skip
+                      "spec.kubernetes.trainer.image", "spec.kubernetes.externalRedisSecret"):  # fmt: skip
             assert field in message, message
         assert cluster.children() == {}, "nothing of a refused run is created"
         run = cluster.run()

@@ -95,3 +95,26 @@ def test_an_external_redis_secret_must_consent() -> None:
     assert refused == f"{field}Secret db is not labelled {EXTERNAL_REDIS_LABEL}=true (its owner's consent)"
     assert redis_secret_refusal("db", "team", {EXTERNAL_REDIS_LABEL: "false"}) is not None
     assert redis_secret_refusal("db", "team", {EXTERNAL_REDIS_LABEL: "true"}) is None
+
+
+@pytest.mark.parametrize(
+    ("allowed", "image", "refusal"),
+    [
+        (None, "reinforce-trainer:0.1.0", None),  # the operator's own image
+        (None, "mine:1", "'mine:1' is none of the operator's images ["),
+        (["registry.example/reinforce-"], "registry.example/reinforce-trainer:0.2", None),
+        (["registry.example/reinforce-"], "registry.example/other:1", "starts with none of allowedImages"),
+    ],
+)
+def test_a_runs_image_must_be_allowed(allowed: list[str] | None, image: str, refusal: str | None) -> None:
+    """Issue 25: a tenant who may create runs but not Pods would otherwise run any image with the operator's rights."""
+    config = OperatorConfig.model_validate({"allowedImages": allowed, "pods": {"reward": {"image": "r:2"}}})
+    spec = ReinforceRunSpec.model_validate({**example_run()["spec"], "name": "tiny"})
+    spec = ReinforceRunSpec.model_validate({**spec.model_dump(), "kubernetes": {"trainer": {"image": image}}})
+    found = refusals(Run("tiny", "team", "uid-1", spec, config))
+    if refusal is None:
+        assert found == []
+    else:
+        (message,) = found
+        assert message.startswith("spec.kubernetes.trainer.image: ") and refusal in message, message
+    assert "r:2" in config.configured_images()  # the operator's pod defaults count as configured

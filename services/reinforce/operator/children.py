@@ -137,11 +137,22 @@ class OperatorConfig(_Section):
         "(metrics: ports.generatorMetrics + i).",
     )
     tenancy: Tenancy = Field(default_factory=Tenancy)
+    allowed_images: list[str] | None = Field(
+        None,
+        description="Prefixes a run's own `kubernetes.<component>.image` must start with, e.g. "
+        "[registry.example/reinforce-] (end each with / or - so that it cannot match another registry or "
+        "repository); null: only the images configured here (`images` and `pods`). A run's image runs with what "
+        "the operator gives its pods (placement, volumes, Secrets), so its author may not pick any image.",
+    )
     operator_namespace: str = Field(
         DEFAULT_OPERATOR_NAMESPACE,
         description="The namespace of the operator's pod: the runs' NetworkPolicies let the operator in from there "
         "only (the chart sets its release's namespace).",
     )
+
+    def configured_images(self) -> set[str]:
+        """The images this configuration names: the only ones a run may choose while allowed_images is null."""
+        return {*self.images.model_dump().values(), *(pod.image for pod in self.pods.values() if pod.image)}
 
     @field_validator("pods")
     @classmethod

@@ -1,10 +1,11 @@
 """What a run may ask of the cluster through the operator (operator configuration `tenancy`).
 
 The operator creates pods with its own rights: a tenant allowed to create ReinforceRuns but not Pods must get no
-more placement, resources, Secrets or host access through a run than the operator's configuration grants. A run's
-own `kubernetes` settings are checked field by field, and each refusal names the field as `kubectl` shows it
-(`spec.kubernetes.trainer.tolerations[0].key: ...`); the operator's `pods` defaults are the administrator's and are
-not checked. Nothing of a refused spec is applied (operator/main.py: condition SpecAccepted, reason NotPermitted).
+more placement, resources, Secrets, host access or images through a run than the operator's configuration grants.
+A run's own `kubernetes` settings are checked field by field (its images against `allowedImages`), and each refusal
+names the field as `kubectl` shows it (`spec.kubernetes.trainer.tolerations[0].key: ...`); the operator's `pods`
+defaults are the administrator's and are not checked. Nothing of a refused spec is applied (operator/main.py:
+condition SpecAccepted, reason NotPermitted).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from reinforce.core.spec import _Section
 from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, GPU_RESOURCE, PodSpec, Toleration
 
 if TYPE_CHECKING:
-    from reinforce.operator.children import Run
+    from reinforce.operator.children import OperatorConfig, Run
 
 
 class Tenancy(_Section):
@@ -71,6 +72,7 @@ def refusals(run: Run) -> list[str]:
         found += _toleration_refusals(settings.tolerations, where, tenancy)
         found += _node_selector_refusals(settings.node_selector, where, tenancy)
         found += _resource_refusals(settings, where, tenancy)
+        found += _image_refusals(settings.image, where, run.config)
     if run.host_network and run.namespace not in tenancy.host_network_namespaces:
         found.append(
             f"namespace {run.namespace}: this operator lays runs out on the node's network (profile host-network), "
@@ -123,6 +125,19 @@ def _resource_refusals(settings: PodSpec, where: str, tenancy: Tenancy) -> list[
         if above:
             found.append(f"{field}: {value} is above tenancy.maxResources.{resource} {ceilings[resource]}")
     return found
+
+
+def _image_refusals(image: str | None, where: str, config: OperatorConfig) -> list[str]:
+    if image is None:
+        return []
+    if config.allowed_images is None:
+        configured = sorted(config.configured_images())
+        if image in configured:
+            return []
+        return [f"{where}.image: {image!r} is none of the operator's images {configured} (allowedImages is unset)"]
+    if any(image.startswith(prefix) for prefix in config.allowed_images):
+        return []
+    return [f"{where}.image: {image!r} starts with none of allowedImages {config.allowed_images}"]
 
 
 def redis_secret_refusal(name: str, namespace: str, labels: dict[str, str] | None) -> str | None:
