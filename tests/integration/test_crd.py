@@ -147,7 +147,7 @@ def test_example_is_accepted_and_defaulted_by_the_server(runs: client.CustomObje
     # What the server stored is the run the CLI would run: the server's defaults are the model's.
     run = parse_run_resource(created["metadata"]["name"], spec)
     assert run.model_dump(exclude={"suspend", "kubernetes"}) == load_spec(EXAMPLE).model_dump()
-    assert run.suspend is False and run.kubernetes.storage_size == "10Gi"
+    assert run.suspended is False and run.kubernetes.storage_size == "10Gi"
 
 
 @pytest.mark.slow

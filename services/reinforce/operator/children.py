@@ -56,7 +56,15 @@ from reinforce.core.names import (
 )
 from reinforce.core.spec import TrainingSpec, _Section, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT
-from reinforce.operator.resource import GPU_RESOURCE, GROUP, KIND, VERSION, PodSpec, ReinforceRunSpec
+from reinforce.operator.resource import (
+    GPU_RESOURCE,
+    GROUP,
+    KIND,
+    KUEUE_QUEUE_LABEL,
+    VERSION,
+    PodSpec,
+    ReinforceRunSpec,
+)
 from reinforce.operator.tenancy import Tenancy
 
 SPEC_DIR = "/etc/reinforce"
@@ -199,6 +207,12 @@ class Run:
             "blockOwnerDeletion": True,
         }
         return {"name": name, "namespace": self.namespace, "labels": labels, "ownerReferences": [owner]}
+
+    @property
+    def queue_label(self) -> dict[str, str]:
+        """Kueue's queue label for the run's workloads and pods (empty without kubernetes.queueName)."""
+        queue = self.spec.kubernetes.queue_name
+        return {KUEUE_QUEUE_LABEL: queue} if queue else {}
 
     @property
     def redis_secret(self) -> str:
@@ -366,7 +380,7 @@ def _pod_template(run: Run, component: str, containers: list[dict], volumes: lis
         spec["nodeSelector"] = settings.node_selector
     if settings.tolerations:
         spec["tolerations"] = [t.model_dump(exclude_none=True, by_alias=True) for t in settings.tolerations]
-    return {"metadata": {"labels": {**run.labels, K8S_COMPONENT_LABEL: component}}, "spec": spec}
+    return {"metadata": {"labels": {**run.labels, K8S_COMPONENT_LABEL: component, **run.queue_label}}, "spec": spec}
 
 
 def _spec_volume(run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -490,12 +504,9 @@ def _workload(kind: str, run: Run, component: str, replicas: int, template: dict
     if kind == "StatefulSet":
         # Parallel: pods start (and trainer ranks rendezvous) at once rather than one after the other
         spec.update(serviceName=run.child(component), podManagementPolicy="Parallel")
-    return {
-        "apiVersion": "apps/v1",
-        "kind": kind,
-        "metadata": run.metadata(run.child(component), component),
-        "spec": spec,
-    }
+    metadata = run.metadata(run.child(component), component)
+    metadata["labels"].update(run.queue_label)  # Kueue's Deployment and StatefulSet integrations read it here
+    return {"apiVersion": "apps/v1", "kind": kind, "metadata": metadata, "spec": spec}
 
 
 def _stateful_set(run: Run, component: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:

@@ -279,8 +279,9 @@ def phase_of(
     if crashing:
         names = ", ".join(f"{p.name} ({p.restarts} restarts)" for p in crashing)
         return "Failed", "CrashLooping", f"more than restart.maxRestarts={spec.restart.max_restarts}: {names}"
-    if spec.suspend:
-        return "Suspended", "Suspended", "spec.suspend is true: every component is scaled to zero"
+    if spec.suspended:
+        why = "spec.suspend is true" if spec.suspend else f"queued in {spec.kubernetes.queue_name}, spec.suspend unset"
+        return "Suspended", "Suspended", f"{why}: every component is scaled to zero"
     needed = {"reward": 1, "trainer": trainer_pods(spec.training), "generator": 1}
     if spec.algorithm.name == "ppo":
         needed[COMPONENT_CRITIC] = 1
@@ -394,7 +395,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 def _run(state: OperatorState, body: kopf.Body, spec: ReinforceRunSpec, status: dict) -> Run:
     meta = body["metadata"]
-    stopped = spec.suspend or status.get("phase") == "Succeeded"
+    stopped = spec.suspended or status.get("phase") == "Succeeded"
     return Run(meta["name"], meta["namespace"], meta["uid"], spec, state.config, stopped=stopped)
 
 

@@ -28,6 +28,8 @@ PHASES = ["Pending", "Running", "Suspended", "Succeeded", "Failed"]
 # A Secret's owner consents to runs using it as their external Redis with this label, value "true".
 EXTERNAL_REDIS_LABEL = f"{GROUP}/external-redis"
 GPU_RESOURCE = "nvidia.com/gpu"
+# Kueue's label naming a workload's LocalQueue (https://kueue.sigs.k8s.io/docs/concepts/local_queue/)
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 class Toleration(_Section):
@@ -73,13 +75,29 @@ class KubernetesSpec(_Section):
     )
     storage_class: str | None = Field(None, description="StorageClass of the run's volumes (None: the default).")
     redis_storage_size: str = Field("1Gi", description="Size of Redis' append-only-file volume.")
+    queue_name: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=63,
+        description=f"Kueue LocalQueue of the run's namespace: the run's workloads and pods carry the label "
+        f"{KUEUE_QUEUE_LABEL}, and the run is created suspended unless `suspend` is set (README: Kueue).",
+    )
 
 
 class ReinforceRunSpec(RunSpec):
     """A ReinforceRun's `spec`: a run spec (its `name` is the resource's name) and its place on the cluster."""
 
-    suspend: bool = Field(False, description="Scale the run to zero; false again resumes it from its checkpoint.")
+    suspend: bool | None = Field(
+        None,
+        description="Scale the run to zero; false again resumes it from its checkpoint. Unset: false, or true with "
+        "kubernetes.queueName (a queued run waits to be admitted: set false to start it).",
+    )
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
+
+    @property
+    def suspended(self) -> bool:
+        """`suspend`, its unset resolved: a queued run (kubernetes.queueName) starts suspended, as Kueue's jobs do."""
+        return self.suspend if self.suspend is not None else self.kubernetes.queue_name is not None
 
     def run_spec(self, run_dir: str) -> RunSpec:
         """The plain run spec the services read, with the run folder on the run's volume."""
