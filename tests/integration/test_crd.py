@@ -7,19 +7,20 @@ import json
 import re
 import secrets
 import ssl
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
-from k8s import API, EXAMPLE, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
+from k8s import API, EXAMPLE, KUBECTL, KubeCluster, example_run, install_crd, kube_apiserver, wait_for  # noqa: F401
 from kubernetes import client
 from pydantic import BaseModel
 from pydantic.alias_generators import to_camel
 
 from generate import crd
-from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
 from reinforce.operator.resource import ReinforceRunSpec, parse_run_resource
 
 COMMITTED = crd.DEFAULT_OUTPUT
@@ -321,3 +322,21 @@ def test_rbac_governs_who_may_touch_runs(
             with pytest.raises(client.ApiException) as raised:
                 reader.list_namespaced_custom_object(*API, "default", crd.PLURAL)
             assert raised.value.status == 403
+
+
+@pytest.mark.slow
+def test_kubectl_explain_answers_with_the_models_descriptions(
+    api: client.ApiClient,
+    kube_apiserver: KubeCluster,  # noqa: F811
+) -> None:
+    """Issue 25: `kubectl explain reinforcerun.spec.training` reads the API server's published OpenAPI."""
+    command = [KUBECTL, "--kubeconfig", str(kube_apiserver.admin_kubeconfig), "explain", "reinforcerun.spec.training"]
+
+    def explained() -> str | None:  # the server publishes a new CRD's schema a moment after it is established
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        return " ".join(result.stdout.split()) if result.returncode == 0 else None
+
+    text = wait_for(explained, 60)
+    assert TrainingSpec.__doc__ in text
+    ranks = TrainingSpec.model_fields["num_ranks"]
+    assert f"numRanks <integer> {ranks.description}" in text, text
