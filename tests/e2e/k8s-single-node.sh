@@ -399,6 +399,9 @@ smoke_pod() {
 EOF
 }
 
+smoke_pod_created() {  # created now, or by an earlier POST whose answer was lost
+    api POST /api/v1/namespaces/default/pods "$(smoke_pod)" || api GET "/api/v1/namespaces/default/pods/$SMOKE_POD"
+}
 pod_running() { [ "$(api GET "/api/v1/namespaces/default/pods/$SMOKE_POD" | jq -r .status.phase)" = Running ]; }
 
 pod_events() {
@@ -450,10 +453,12 @@ cmd_up() {
     t_node="$(elapsed "$t")"
 
     t="$(now)"
-    # Pods are refused until the controller-manager has made the namespace's default ServiceAccount.
+    # Pods are refused until the controller-manager has made the namespace's default ServiceAccount, and then
+    # with a 500 ("No API token found ... retry after the token is automatically created") until its token
+    # controller has made the account's token Secret: a loaded machine widens that window, so the POST is retried.
     wait_for "the default ServiceAccount" 60 kube-controller-manager \
         api GET /api/v1/namespaces/default/serviceaccounts/default
-    api POST /api/v1/namespaces/default/pods "$(smoke_pod)" >/dev/null
+    wait_for "the smoke pod accepted" 60 kube-controller-manager smoke_pod_created
     if ! wait_for_pod; then
         die "pod $SMOKE_POD did not reach Running in ${UP_TIMEOUT} s; its events:
 $(pod_events)
