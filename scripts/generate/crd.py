@@ -202,6 +202,7 @@ def status_schema() -> dict[str, Any]:
         "generators": _map_list(generator, "name"),
         "reward": {"type": "number", "description": "Mean reward of the latest step."},
         "kl": {"type": "number", "description": "Mean KL to the reference policy at the latest step."},
+        "tokensPerSecond": {"type": "number", "description": "Generated tokens per second at the latest step."},
         # kopf keeps its handlers' progress here; a structural schema would prune it otherwise.
         "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
     }
@@ -235,6 +236,7 @@ def _printer_columns() -> list[dict[str, Any]]:
         column("KL", "number", ".status.kl", "Mean KL to the reference policy at the latest step."),
         column("Generators", "string", ".status.generatorsReady", "Ready generators / desired generators."),
         column("Weights", "integer", ".status.publishedWeightVersion", "Latest published weight version.", 1),
+        column("Tokens/s", "number", ".status.tokensPerSecond", "Generated tokens per second at the latest step.", 1),
         column("Age", "date", ".metadata.creationTimestamp", "Time since the run was created."),
     ]
 

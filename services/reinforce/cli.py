@@ -1,7 +1,8 @@
-"""`reinforce`: the command line. `reinforce run` runs a pipeline locally; `reinforce operator` runs the
-Kubernetes operator; `reinforce rollout` keeps generators on the latest weights where neither runs
-(docker compose); `reinforce shard-prompts` writes pre-tokenized prompt shards for data.loader dali. Each command
-lives with its service; this only dispatches."""
+"""`reinforce`: the command line. `reinforce run` runs a pipeline locally; `reinforce status`, `reinforce samples`
+and `reinforce generate` answer questions about a run folder (how is it doing, what did the model write, what does
+it say now); `reinforce operator` runs the Kubernetes operator; `reinforce rollout` keeps generators on the latest
+weights where neither runs (docker compose); `reinforce shard-prompts` writes pre-tokenized prompt shards for
+data.loader dali. Each command lives with its service; this only dispatches."""
 
 from __future__ import annotations
 
@@ -14,12 +15,18 @@ from reinforce.core.spec import SpecError
 def main(argv: list[str] | None = None) -> None:
     from reinforce.core.dali_prompts import add_shard_prompts_command
     from reinforce.core.rollout import add_rollout_command
+    from reinforce.generator.answer import add_generate_command
     from reinforce.operator.main import add_operator_command
     from reinforce.supervisor.main import add_run_command
+    from reinforce.supervisor.samples import add_samples_command
+    from reinforce.supervisor.status import add_status_command
 
     parser = argparse.ArgumentParser(prog="reinforce", description="Kubernetes-native REINFORCE RLHF pipeline.")
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_command(commands)
+    add_status_command(commands)
+    add_samples_command(commands)
+    add_generate_command(commands)
     add_operator_command(commands)
     add_rollout_command(commands)
     add_shard_prompts_command(commands)

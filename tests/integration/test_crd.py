@@ -242,7 +242,15 @@ def test_printer_columns(
     namespace: str,
 ) -> None:
     runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run())
-    status = {"phase": "Running", "step": 7, "reward": 0.5, "kl": 0.02, "generatorsReady": "2/3"}
+    status = {
+        "phase": "Running",
+        "step": 7,
+        "reward": 0.5,
+        "kl": 0.02,
+        "generatorsReady": "2/3",
+        "publishedWeightVersion": 7,
+        "tokensPerSecond": 1234.5,
+    }
     runs.patch_namespaced_custom_object_status(*API, namespace, crd.PLURAL, "tiny", {"status": status})
     # what `kubectl get rr` shows: the server renders the columns as a Table
     request = urllib.request.Request(
@@ -256,8 +264,10 @@ def test_printer_columns(
     with urllib.request.urlopen(request, context=context, timeout=10) as response:
         table = json.load(response)
     columns = [c["name"] for c in table["columnDefinitions"]]
-    assert columns == ["Name", "Phase", "Step", "Reward", "KL", "Generators", "Weights", "Age"]
-    assert table["rows"][0]["cells"][:6] == ["tiny", "Running", 7, 0.5, 0.02, "2/3"]
+    assert columns == ["Name", "Phase", "Step", "Reward", "KL", "Generators", "Weights", "Tokens/s", "Age"]
+    assert table["rows"][0]["cells"][:8] == ["tiny", "Running", 7, 0.5, 0.02, "2/3", 7, 1234.5]
+    wide = {c["name"] for c in table["columnDefinitions"] if c["priority"] == 1}
+    assert wide == {"Weights", "Tokens/s"}  # what `kubectl get rr -o wide` adds
 
 
 @pytest.mark.slow

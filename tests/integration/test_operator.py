@@ -433,7 +433,14 @@ def test_status_moves_from_pending_to_running_and_scaling_and_suspend_follow_the
         wait_for(lambda: cluster.status().get("phase") == "Pending", 30)
         assert cluster.status()["generatorsReady"] == "0/1"
         trainer = TrainerMetrics(None)  # the trainer's Prometheus endpoint, where trainer pod 0 reports
-        trainer.record(4, {"train_rollouts/rewards": 0.25, "train_rollouts/init_policy_kl": 0.125})
+        trainer.record(
+            4,
+            {
+                "train_rollouts/rewards": 0.25,
+                "train_rollouts/init_policy_kl": 0.125,
+                "throughput/generated_tokens_per_second": 1500.0,
+            },
+        )
         server, _ = start_http_server(operator_env.ports.trainer_metrics, "127.0.0.1", trainer.registry)
         try:
             _pods_ready_for_a_running_run(cluster)
@@ -443,7 +450,7 @@ def test_status_moves_from_pending_to_running_and_scaling_and_suspend_follow_the
             server.shutdown()
         status = cluster.status()
         assert status["generatorsReady"] == "1/1" and cluster.condition("Ready")["status"] == "True"
-        assert (status["step"], status["kl"]) == (4, 0.125)
+        assert (status["step"], status["kl"], status["tokensPerSecond"]) == (4, 0.125, 1500.0)
         assert status["observedGeneration"] == cluster.run()["metadata"]["generation"]
 
         cluster.patch_run("tiny", {"generation": {"numGenerators": 3}})

@@ -16,7 +16,8 @@ import pytest
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from reinforce.core.trackers import wandb_history
+from reinforce.core.samples import read_samples, sample_steps
+from reinforce.core.trackers import wandb_history, wandb_history_steps
 from runs import (
     EXAMPLES,
     MEGATRON_TP2,
@@ -92,6 +93,7 @@ def test_killed_trainer_continues_its_tracker_runs_without_duplicate_steps(tmp_p
     assert_each_step_trained_once(run_dir, 5)
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # two lives, one W&B run id
     assert_trackers_hold_the_metrics(run_dir, rows)
+    assert_trackers_hold_the_samples_once(run_dir, steps=5)
 
 
 @pytest.mark.slow
@@ -134,6 +136,29 @@ def assert_trackers_hold_the_metrics(run_dir: Path, rows: list[dict]) -> None:
             assert [s for s, _ in got[metric]] == [s for s, _ in series], (name, metric)
             values = [v for _, v in got[metric]]
             assert values == pytest.approx([v for _, v in series], rel=1e-6, abs=1e-7), (name, metric)
+
+
+def assert_trackers_hold_the_samples_once(run_dir: Path, steps: int) -> None:
+    """Each step's samples file, and in each tracker one samples table per step: a redone step replaced its own."""
+    # the reader TensorBoard's own text plugin uses (the older event_accumulator never purges text)
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    paths = RunPaths(run_dir)
+    assert sample_steps(paths) == list(range(1, steps + 1))
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    tensorboard = events.Tensors("samples/text_summary")
+    assert [e.step for e in tensorboard] == list(range(1, steps + 1))
+    assert (
+        read_samples(paths, steps)[0]["response"].replace("|", "\\|")
+        in tensorboard[-1].tensor_proto.string_val[0].decode()
+    )
+    # W&B keeps a table in its history as the table file's fields (samples/nrows, samples/path, ...)
+    tables = [(step, items["samples/nrows"]) for step, items in wandb_history_steps(run_dir / "wandb")
+              if "samples/nrows" in items]  # fmt: skip
+    assert tables == [(step, 4) for step in range(1, steps + 1)]
+    mlflow = sorted((run_dir / "mlruns").glob("*/*/artifacts/samples/step-*.jsonl"))
+    assert [p.read_text() for p in mlflow] == [paths.samples_file(s).read_text() for s in range(1, steps + 1)]
 
 
 def test_missing_tracker_extra_is_named(tmp_path):

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import IO
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from reinforce.core.names import PROMETHEUS_COMPONENT_LABEL, PROMETHEUS_INSTANCE_LABEL, PROMETHEUS_RUN_LABEL
 
@@ -95,6 +97,7 @@ VALIDATION_METRICS = (*(name for name in STEP_METRICS if name.startswith("val/")
 STEP = "step"  # the jsonl key of the step number; Prometheus: TRAINER_STEP
 TRAINER_STEP = PREFIX + "trainer_step"  # Prometheus name of the last completed step
 TIME = "time"  # the jsonl key of the unix time the step finished
+GENERATOR_WEIGHT_VERSION = PREFIX + "generator_weight_version"  # a generator's loaded weight version
 
 
 def prometheus_name(name: str) -> str:
@@ -165,7 +168,7 @@ class GeneratorMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=r,
         )
-        self.weight_version = Gauge(PREFIX + "generator_weight_version", "Loaded weight version.", registry=r)
+        self.weight_version = Gauge(GENERATOR_WEIGHT_VERSION, "Loaded weight version.", registry=r)
         self.weight_load_seconds = Gauge(
             PREFIX + "generator_weight_load_seconds", "Seconds the last weight load took.", registry=r
         )
@@ -186,6 +189,21 @@ class GeneratorMetrics:
         self.unreadable_weight_records = Counter(
             PREFIX + "generator_unreadable_weight_records",
             "Reads of the run's published weight version that did not decode; prompts wait as in a Redis outage.",
+            registry=r,
+        )
+        # multi-turn rollouts (environment.enabled)
+        self.episode_turns = Histogram(
+            PREFIX + "generator_episode_turns",
+            "Assistant turns per episode.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            PREFIX + "generator_tool_calls", "Tool observations appended to episodes.", registry=r
+        )
+        self.environment_failures = Counter(
+            PREFIX + "generator_environment_failures",
+            "Batches redone because the environment service failed (restarted, unreachable, refused).",
             registry=r,
         )
 
@@ -301,6 +319,20 @@ def read_metrics(jsonl_path: Path) -> list[dict[str, float | None]]:
         else:
             log.warning("%s line %d is not a metrics row: skipped", jsonl_path, number)
     return rows
+
+
+def scrape(url: str, timeout_s: float) -> dict[str, float] | None:
+    """The samples of a Prometheus endpoint by name (labels ignored: the first sample of each name), None when it
+    does not answer."""
+    try:
+        text = httpx.get(url, timeout=timeout_s).raise_for_status().text
+    except httpx.HTTPError:
+        return None
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, sample.value)
+    return found
 
 
 def shown(value: float | None, spec: str) -> str:

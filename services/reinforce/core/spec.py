@@ -527,6 +527,18 @@ class LoggingSpec(_Section):
         "names as metrics.jsonl, the spec as the run's config; a resumed run continues the same tracker run.",
     )
     project: str | None = Field(None, description="wandb project / mlflow experiment name (default: the run name).")
+    samples_every: int = Field(
+        1,
+        ge=0,
+        description="Every this many steps the trainer's main rank writes num_samples of the step's samples (prompt, "
+        "response, reward, advantage, KL, length) to RUN_DIR/samples/step-NNNNNN.jsonl and each tracker (0: never).",
+    )
+    num_samples: int = Field(
+        4,
+        ge=1,
+        description="Samples written per step: the best and the worst by reward, then the step's first ones (the main "
+        "rank's share of the step).",
+    )
     max_component_log_mb: float = Field(
         64.0,
         gt=0,

@@ -1,9 +1,11 @@
 """Experiment trackers (`logging.trackers`): TensorBoard, Weights & Biases (offline), MLflow (a local file store).
 
 The trainer's main rank logs every metrics.jsonl row to each, under the same names and steps, with the run spec
-as the run's configuration. Each lives in the run folder: `tensorboard/`, `wandb/`, `mlruns/`. Each is an optional
-extra (`pip install 'reinforce-k8s[tensorboard]'`, `[wandb]`, `[mlflow]`, or `[trackers]` for all three); a tracker
-whose package is missing is refused when the run starts, naming the tracker and the extra.
+as the run's configuration, and each samples file (core/samples.py) as a table: TensorBoard text `samples`, a W&B
+table `samples`, an MLflow artifact samples/step-NNNNNN.jsonl. Each lives in the run folder: `tensorboard/`,
+`wandb/`, `mlruns/`. Each is an optional extra (`pip install 'reinforce-k8s[tensorboard]'`, `[wandb]`, `[mlflow]`,
+or `[trackers]` for all three); a tracker whose package is missing is refused when the run starts, naming the
+tracker and the extra.
 
 A resumed trainer continues the same tracker run and redoes the steps after its checkpoint, so no step is
 logged twice: TensorBoard purges the events after the checkpoint's step (its `purge_step`), MLflow's file store
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from reinforce.core.optional import require_package
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.samples import SAMPLE_KEYS, read_samples, samples_jsonl
 
 # tracker -> (module that must be importable, pip extra)
 TRACKER_PACKAGES = {
@@ -47,6 +51,9 @@ def tracker_run_id(run_dir: Path, name: str) -> str:
 class Tracker:
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A step's samples table (core/samples.py's rows)."""
+
     def durable(self, step: int) -> None:
         """Rows through `step` will never be redone (a checkpoint covers them, or the run ended)."""
 
@@ -57,14 +64,20 @@ class TensorBoardTracker(Tracker):
     def __init__(self, folder: Path, config: dict, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: TensorBoard drops the events of earlier lives from this step on (the steps redone now)
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=resume_step + 1 if resume_step else None)
+        # purge_step: TensorBoard drops the events of earlier lives from this step on (the steps redone now). Also
+        # on the first life: its session-start event is what TensorBoard's own reader needs to take a later life's
+        # for a restart (without it the first restart purges nothing there and every redone step shows twice).
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=resume_step + 1)
         if not resume_step:
             self.writer.add_text("spec", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.writer.add_text("samples", _markdown_table(rows), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -76,7 +89,8 @@ class WandbTracker(Tracker):
 
     W&B's offline run file is written by its own service process, which a killed trainer takes down with whatever
     it had not written yet. So a resumed trainer reads the earlier lives' run files (W&B's transaction log), finds
-    the last step they hold, and first logs metrics.jsonl's rows after it, through the checkpoint's step.
+    the last step they hold, and first logs metrics.jsonl's rows (and samples files) after it, through the
+    checkpoint's step.
     """
 
     def __init__(self, folder: Path, config: dict, project: str, name: str, run_id: str,
@@ -95,14 +109,20 @@ class WandbTracker(Tracker):
             resume="allow",
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
-        self.pending: list[tuple[int, dict[str, float]]] = []
+        self.pending: list[tuple[int, dict[str, Any]]] = []
+        paths = RunPaths(folder.parent)
         for row in earlier_rows:
             if row["step"] > last_written:
+                if paths.samples_file(row["step"]).exists():
+                    self.run.log({"samples": _wandb_table(read_samples(paths, row["step"]))}, step=row["step"])
                 values = {k: v for k, v in row.items() if k not in ("step", "time") and _finite(v)}
                 self.run.log(values, step=row["step"])
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.pending.append((step, values))
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.pending.append((step, {"samples": _wandb_table(rows)}))  # like a metrics row: once the step is durable
 
     def durable(self, step: int) -> None:
         while self.pending and self.pending[0][0] <= step:
@@ -111,6 +131,12 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _wandb_table(rows: list[dict[str, Any]]) -> Any:  # a wandb.Table
+    import wandb
+
+    return wandb.Table(columns=list(SAMPLE_KEYS), data=[[row[k] for k in SAMPLE_KEYS] for row in rows])
 
 
 def wandb_history(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -213,6 +239,10 @@ class MlflowTracker(Tracker):
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        # an artifact per step: a redone step replaces its earlier life's
+        self.client.log_text(self.run_id, samples_jsonl(rows), f"samples/step-{step:06d}.jsonl")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -242,6 +272,10 @@ class Trackers:
         for tracker in self.trackers:
             tracker.log(step, finite)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        for tracker in self.trackers:
+            tracker.log_samples(step, rows)
+
     def durable(self, step: int) -> None:
         for tracker in self.trackers:
             tracker.durable(step)
@@ -249,6 +283,17 @@ class Trackers:
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
+
+
+def _markdown_table(rows: list[dict[str, Any]]) -> str:
+    """TensorBoard renders its text as Markdown: a table, with | and newlines escaped in the cells."""
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(SAMPLE_KEYS) + " |", "|" + " --- |" * len(SAMPLE_KEYS)]
+    lines += ["| " + " | ".join(cell(row[k]) for k in SAMPLE_KEYS) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -35,14 +35,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kopf
 import redis
 import yaml
 from kubernetes import client, config
-from prometheus_client.parser import text_string_to_metric_families
 
-from reinforce.core.metrics import PREFIX, prometheus_name
+from reinforce.core.metrics import TRAINER_STEP, prometheus_name, scrape
 from reinforce.core.names import COMPONENT_CRITIC, K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.rollout import GeneratorWeights, WeightReconciler
@@ -152,22 +150,16 @@ def pod_states(api: client.ApiClient, run: Run) -> list[PodState]:
 
 
 def trainer_metrics(url: str) -> dict[str, float]:
-    """Step, reward and KL from the trainer's Prometheus endpoint (empty when it does not answer)."""
+    """Step, reward, KL and generated tokens/s from the trainer's Prometheus endpoint (empty when it does not
+    answer)."""
     wanted = {
-        PREFIX + "trainer_step": "step",
+        TRAINER_STEP: "step",
         prometheus_name("train_rollouts/rewards"): "reward",
         prometheus_name("train_rollouts/init_policy_kl"): "kl",
+        prometheus_name("throughput/generated_tokens_per_second"): "tokens_per_second",
     }
-    try:
-        text = httpx.get(url, timeout=HTTP_TIMEOUT_S).raise_for_status().text
-    except httpx.HTTPError:
-        return {}
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                found[wanted[sample.name]] = sample.value
-    return found
+    found = scrape(url, HTTP_TIMEOUT_S) or {}
+    return {key: found[name] for name, key in wanted.items() if name in found}
 
 
 @dataclass
@@ -483,6 +475,7 @@ def observe(
         step=max(int(memory.last_metrics.get("step", 0)), published or 0),
         reward=memory.last_metrics.get("reward"),
         kl=memory.last_metrics.get("kl"),
+        tokensPerSecond=memory.last_metrics.get("tokens_per_second"),
     )
     if phase == "Succeeded" and not finished:
         log.info("run %s/%s finished: scaling it to zero", run.namespace, run.name)

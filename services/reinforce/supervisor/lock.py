@@ -37,3 +37,22 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor releases the flock
             self._fd = None
+
+
+def live_holder(path: Path) -> int | None:
+    """The PID holding the lock at `path`, read from the kernel's lock table (asking takes no lock, so it cannot
+    turn away a supervisor starting at that moment); None when no live process holds it."""
+    try:
+        stat = path.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (a waiter's line has "->" after the number)
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        major, minor, inode = fields[5].rsplit(":", 2)
+        if (int(inode), int(major, 16), int(minor, 16)) == (stat.st_ino, os.major(stat.st_dev), os.minor(stat.st_dev)):
+            return int(fields[4])
+    return None

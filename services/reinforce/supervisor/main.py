@@ -55,6 +55,8 @@ from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT, THREADS_ENV, thread_count
 from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
+from reinforce.supervisor.outcome import record_outcome
+from reinforce.supervisor.samples import print_samples_summary
 from reinforce.trainer.checkpoint import ForeignCheckpoint, refuse_foreign_checkpoints
 
 log = logging.getLogger("reinforce")
@@ -505,7 +507,10 @@ def _run(args: argparse.Namespace) -> int:
         spec = load_spec(spec_file)
     else:
         spec_file = Path(args.spec)
-        spec = resolve_spec(load_spec(spec_file), spec_file)
+        spec = load_spec(spec_file)
+        if args.run_dir:  # the command line's run folder wins over the spec's
+            spec = spec.model_copy(update={"run_dir": args.run_dir})
+        spec = resolve_spec(spec, spec_file)
     # A bad prompt file (or shard folder) fails now, naming file:line; so does a tracker whose extra is not installed.
     for name in ("prompts", "validation_prompts"):
         if getattr(spec.data, name):
@@ -534,11 +539,16 @@ def _run(args: argparse.Namespace) -> int:
         supervisor.run()
     except KeyboardInterrupt:
         print("interrupted: stopping every component", file=sys.stderr)
+        record_outcome(paths, 130, "interrupted (Ctrl-C or SIGTERM)")
         return 130
+    except RunFailed as err:
+        record_outcome(paths, 1, str(err))
+        raise
     finally:
         signals.stopping = True  # from here on a signal cannot interrupt the shutdown, however many come
         supervisor.stop()
         paths.remove_partial_files()  # a component that died mid-write (a full disk) left them
+    record_outcome(paths, 0, "")
     _print_summary(paths)
     return 0
 
@@ -585,6 +595,7 @@ def _print_summary(paths: RunPaths) -> None:
         f"{last['train_rollouts/rewards']:.3f}; KL {last['train_rollouts/init_policy_kl']:.4f}\n"
         f"  metrics {paths.metrics}\n  plot    {paths.plot}\n  model   {paths.final_model}"
     )
+    print_samples_summary(paths)
 
 
 def add_run_command(commands: argparse._SubParsersAction) -> None:
@@ -592,8 +603,11 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     run.add_argument("spec", nargs="?", help="run spec YAML (see examples/)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     run.add_argument("--overwrite", action="store_true", help="delete an earlier run in the same run folder")
+    run.add_argument("--run-dir", metavar="DIR", help="the run folder (instead of the spec's run_dir)")
     run.set_defaults(handler=run_command, check=_check_run_arguments)
 
 
 def _check_run_arguments(args: argparse.Namespace) -> str | None:
-    return "run takes a SPEC file or --resume RUN_DIR" if bool(args.spec) == bool(args.resume) else None
+    if bool(args.spec) == bool(args.resume):
+        return "run takes a SPEC file or --resume RUN_DIR"
+    return "--run-dir goes with a SPEC file (--resume names its run folder)" if args.resume and args.run_dir else None

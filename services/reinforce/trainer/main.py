@@ -30,6 +30,7 @@ from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths, ensure_run_id
+from reinforce.core.samples import discard_samples_after
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.threads import configure_threads
 from reinforce.core.trackers import Trackers
@@ -42,6 +43,7 @@ from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import PromptFeeder
 from reinforce.trainer.plot import plot_metrics
+from reinforce.trainer.samples import log_samples
 from reinforce.trainer.validation import Validator
 
 log = logging.getLogger("reinforce.trainer")
@@ -122,6 +124,7 @@ class Trainer:
         if self.ranks.is_main:
             _truncate_jsonl(self.paths.trained_groups, keep_through_step=self.step)
             _truncate_jsonl(self.paths.metrics, keep_through_step=self.step)
+            discard_samples_after(self.paths, self.step)
             self.metrics.reopen()  # it appended to the file that the rewrite replaced
             if self.spec.logging.trackers:
                 self.trackers = Trackers(
@@ -235,6 +238,8 @@ class Trainer:
         rollout_time = time.perf_counter() - step_start
         batch = StepBatch.from_groups(groups)
         values = self.algorithm.update(batch, self.backend, version=self.step)
+        if self.ranks.is_main:  # what the model wrote, for people to read
+            log_samples(self.spec, self.paths, self.trackers, self.step + 1, batch, self.algorithm.sample_values)
         trained = self.step
         self.step += 1
         values["timers/weight_publish"] = self.publish_weights()

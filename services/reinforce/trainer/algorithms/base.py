@@ -10,6 +10,7 @@ trainer's checkpoints.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -20,12 +21,21 @@ from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.distributed import Ranks
 
 
+@dataclass(frozen=True)
+class SampleValues:
+    """Per-sample results of the last update, [B] each over the rank's batch (prompt-major): the samples table's."""
+
+    kl: torch.Tensor  # KL_i, the mean over the response tokens of the configured estimate
+    advantage: torch.Tensor  # A_i (an estimator with one per token: their mean over the response)
+
+
 class Algorithm(ABC):
     name: ClassVar[str]
 
     def __init__(self, spec: RunSpec, ranks: Ranks) -> None:
         self.spec = spec
         self.ranks = ranks
+        self.sample_values: SampleValues | None = None  # set by each update
 
     @abstractmethod
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:

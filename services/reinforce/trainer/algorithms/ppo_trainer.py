@@ -34,7 +34,7 @@ from reinforce.core.critic_api import Minibatch
 from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.aggregation import step_normalizer
-from reinforce.trainer.algorithms.base import Algorithm, TokenStats
+from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
 from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean
 from reinforce.trainer.backends.base import TrainerBackend
@@ -105,7 +105,8 @@ class PPO(Algorithm):
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
 
         mask = rollout.mask.bool()
-        sample_kl = masked_mean(rollout.kl, mask)[batch.keep.reshape(-1)]
+        self.sample_values = SampleValues(masked_mean(rollout.kl, mask), masked_mean(rollout.advantages, mask))
+        sample_kl = self.sample_values.kl[batch.keep.reshape(-1)]
         rewards = batch.rewards.reshape(-1)[batch.keep.reshape(-1)]
         return {
             "train_rollouts/init_policy_kl": sample_kl.mean().item(),

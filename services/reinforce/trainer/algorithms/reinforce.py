@@ -47,7 +47,7 @@ from reinforce.trainer.algorithms.advantages import (
     reinforce_plus_plus_advantages,
 )
 from reinforce.trainer.algorithms.aggregation import LossNormalizer, step_normalizer
-from reinforce.trainer.algorithms.base import Algorithm, TokenStats
+from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.ppo import SumOverRanks, local_sum
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import StepBatch, generator_logprobs, pad_cat, token_lists
@@ -209,7 +209,7 @@ class Reinforce(Algorithm):
         backend.zero_grad()
         # N and S of every rank's batch
         normalizer = step_normalizer(self.spec, self.ranks.sum(batch.num_tokens), self.ranks.sum(batch.num_samples))
-        kl_all, loss_total, refused_groups = [], 0.0, 0
+        kl_all, advantage_means, loss_total, refused_groups = [], [], 0.0, 0
         advantages_abs, mismatch, weights = TokenStats(), TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
         for start in range(0, len(batch.groups), t.micro_batch_prompts):
@@ -244,9 +244,11 @@ class Reinforce(Algorithm):
             mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
             advantages_abs.add(adv.advantages.abs(), loss_mask)
             kl_all.append(adv.kl)
+            advantage_means.append(masked_mean(adv.advantages, mask))
         grad_norm, lr = backend.optimizer_step()
         keep = batch.keep.reshape(-1)
         kl = torch.cat(kl_all)
+        self.sample_values = SampleValues(kl, torch.cat(advantage_means))
         return {
             "train_rollouts/init_policy_kl": kl[keep].mean().item(),
             "train_rollouts/rewards_with_kl": (batch.rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl)[keep]
