@@ -7,7 +7,9 @@ import torch
 
 from reinforce.core.spec import LossAggregation
 from reinforce.trainer.algorithms.aggregation import LossNormalizer
+from reinforce.trainer.algorithms.ppo import clipped_surrogate
 from reinforce.trainer.algorithms.reinforce import (
+    importance_ratio,
     kl_per_token,
     masked_mean,
     policy_gradient_loss,
@@ -122,3 +124,64 @@ def test_gradient_raises_logprob_of_positive_advantage():
     policy_gradient_loss(logprob, torch.tensor([1.0]), torch.ones(1, 1), LossNormalizer("token_mean", 1, 1)).backward()
     # gradient descent on the loss moves logit 0 up and logit 1 down
     assert logit.grad[0, 0] < 0 < logit.grad[0, 1]
+
+
+def test_kl_clamp_bounds_every_estimator_at_the_edge():
+    d = torch.tensor([-15.0, -10.0, 9.99, 10.5])
+    zero = torch.zeros(4)
+    # k3 at d = -15: exp(15) - 1 - 15 = 3269001.37 unclamped (one token would swamp a batch), 10 clamped
+    assert kl_per_token(d, zero, "k3", False)[0].item() == pytest.approx(math.exp(15) - 16, rel=1e-6)
+    assert kl_per_token(d, zero, "k3", False, clamp=10.0).tolist()[0] == 10.0
+    # signed k1 is clamped on both sides; exactly 10 stays 10, 9.99 is untouched
+    assert kl_per_token(d, zero, "k1", False, clamp=10.0).tolist() == pytest.approx([-10.0, -10.0, 9.99, 10.0])
+    assert kl_per_token(d, zero, "k1", True, clamp=10.0).tolist() == pytest.approx([10.0, 10.0, 9.99, 10.0])
+    # k2: d^2 / 2 = 112.5, 50, 49.9 and 55.125 all above 10
+    assert kl_per_token(d, zero, "k2", False, clamp=10.0).tolist() == [10.0] * 4
+    # the sequence KL averages the clamped estimate: (10 + 10 + 9.99 + 10) / 4
+    assert sequence_kl(d[None], zero[None], torch.ones(1, 4), "k1", True, 10.0).item() == pytest.approx(9.9975)
+
+
+# log pi - log mu = [0.1, -0.2] on two real tokens, then padding whose log-prob is garbage
+POLICY = torch.tensor([[-1.0, -2.0, -math.inf]])
+BEHAVIOUR = torch.tensor([[-1.1, -1.8, 0.0]])
+TWO_TOKENS = torch.tensor([[1, 1, 0]])
+
+
+def test_token_ratio_is_pi_over_mu_per_token():
+    ratio = importance_ratio(POLICY, BEHAVIOUR, TWO_TOKENS, "clip")
+    assert ratio.tolist()[0] == pytest.approx([math.exp(0.1), math.exp(-0.2), 1.0])  # 1.1051709, 0.8187308
+
+
+def test_gspo_ratio_is_the_length_normalised_sequence_ratio_with_its_gradient():
+    logprobs = POLICY.clone().requires_grad_()
+    ratio = importance_ratio(logprobs, BEHAVIOUR, TWO_TOKENS, "gspo")
+    s = math.exp((0.1 - 0.2) / 2)  # exp(mean log-ratio) = exp(-0.05) = 0.9512294 on every token of the sequence
+    assert ratio.tolist()[0][:2] == pytest.approx([s, s])
+    ratio[0, :2].sum().backward()
+    # each token's term carries s_i * pi / sg[pi]: d/dlog pi_t = s_i; padding gets no (nan) gradient
+    assert logprobs.grad.tolist()[0] == pytest.approx([s, s, 0.0])
+
+
+def test_gspo_clips_whole_sequences_with_its_small_range():
+    ratio = importance_ratio(POLICY, BEHAVIOUR, TWO_TOKENS, "gspo")  # 0.9512294 < 1 - 3e-4
+    advantages = torch.tensor([[1.0, 1.0, 0.0]])
+    terms, clamped, clipped = clipped_surrogate(ratio, advantages, (3e-4, 4e-4))
+    # A > 0 and s below the range: -A * s = -0.9512294 beats -A * 0.9997, the sequence is not clipped
+    assert terms.tolist()[0][:2] == pytest.approx([-0.9512294] * 2, abs=1e-6)
+    assert clamped.tolist()[0][:2] == pytest.approx([0.9997, 0.9997])
+    # A < 0: -A * clip(s) = 0.9997 wins over 0.9512294 for every token of the sequence: no gradient from it
+    terms, _, clipped = clipped_surrogate(ratio, -advantages, (3e-4, 4e-4))
+    assert clipped.tolist()[0][:2] == [True, True]
+    assert terms.tolist()[0][:2] == pytest.approx([0.9997, 0.9997])
+
+
+def test_clip_higher_lets_a_rising_ratio_through_that_the_symmetric_clip_stops():
+    ratio, positive = torch.tensor([1.25]), torch.tensor([1.0])
+    # eps_high 0.28 (DAPO): 1.25 is inside, the term is -1.25 with gradient; symmetric 0.2: -1.2 wins, clipped
+    terms, _, clipped = clipped_surrogate(ratio, positive, (0.2, 0.28))
+    assert terms.tolist() == [-1.25] and clipped.tolist() == [False]
+    terms, _, clipped = clipped_surrogate(ratio, positive, (0.2, 0.2))
+    assert terms.tolist() == pytest.approx([-1.2]) and clipped.tolist() == [True]
+    # the low side still clips at 1 - eps_low: rho 0.75 with A < 0 gives 0.8
+    terms, _, clipped = clipped_surrogate(torch.tensor([0.75]), -positive, (0.2, 0.28))
+    assert terms.tolist() == pytest.approx([0.8]) and clipped.tolist() == [True]

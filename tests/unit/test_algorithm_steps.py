@@ -95,13 +95,25 @@ def step_batch() -> StepBatch:
     return StepBatch.from_groups(groups)
 
 
-@pytest.mark.parametrize("estimator", ["rloo", "grpo", "reinforce_plus_plus"])
-def test_reinforce_step_is_the_same_whatever_the_micro_batch(policy_dir: Path, estimator: str) -> None:
+@pytest.mark.parametrize(
+    ("estimator", "policy_loss"),
+    [
+        ("rloo", "reinforce"),
+        ("grpo", "reinforce"),
+        ("dr_grpo", "reinforce"),
+        ("reinforce_plus_plus", "reinforce"),
+        ("grpo", "clip"),
+        ("grpo", "gspo"),
+    ],
+)
+def test_reinforce_step_is_the_same_whatever_the_micro_batch(
+    policy_dir: Path, estimator: str, policy_loss: str
+) -> None:
     """reinforce_plus_plus whitens over the whole batch (a pass without gradient first); the group estimators need
     whole groups: either way one micro-batch per prompt trains like one for the whole step."""
     weights, metrics = [], []
     for micro in (1, PROMPTS):
-        spec = spec_with({"advantage_estimator": estimator}, micro_batch_prompts=micro)
+        spec = spec_with({"advantage_estimator": estimator, "policy_loss": policy_loss}, micro_batch_prompts=micro)
         backend = TorchBackend(spec.training, policy_dir, Ranks())
         metrics.append(Reinforce(spec, Ranks()).update(step_batch(), backend, version=0))
         weights.append(backend.policy.state_dict())
@@ -158,3 +170,33 @@ def test_baseline_over_all_samples_gives_signal_to_groups_that_did_not_end(polic
     assert advantages["all"] > 0.0
     all_members = Reinforce(spec_with({"baseline_samples": "all"}), Ranks()).baseline_members(batch)
     assert torch.equal(all_members, batch.keep)  # every scored sample; the non-finite reward stays out
+
+
+def test_ppo_actor_averages_over_properly_ended_responses_by_default(policy_dir: Path) -> None:
+    """ppo_loss_mask ended (NeMo-Aligner's actor: masked_mean(..., mask * is_end)): a response cut by max_new_tokens
+    adds no gradient; the advantages' whitening and the critic still see every kept response."""
+    batch = step_batch()
+    batch.is_end[2, 1] = False  # a 3-token response cut by the limit
+    # kept tokens (lengths (g + i) % 4, sample (1, 0) dropped): 0 + 1 + 2 + 2 + 3 + 3 + 0 = 11; without (2, 1): 8
+    for loss_mask, actor_tokens in (("ended", 8), ("all", 11)):
+        spec = spec_with({"name": "ppo", "ppo_loss_mask": loss_mask})
+        ppo = PPO(spec, Ranks(), MemoryCritic())  # type: ignore[arg-type]
+        rollout = ppo.rollout(batch, TorchBackend(spec.training, policy_dir, Ranks()), version=0)[0]
+        assert int(rollout.mask.sum()) == 11
+        assert int(rollout.actor_mask.sum()) == actor_tokens
+        assert rollout.actor_mask[5].sum() == (0 if loss_mask == "ended" else 3)  # row 2 * K + 1
+
+
+def test_ppo_actor_gets_no_gradient_when_no_response_ended(policy_dir: Path) -> None:
+    batch = step_batch()
+    batch.is_end[:] = False
+    grad_norms = {}
+    for loss_mask in ("ended", "all"):
+        spec = spec_with({"name": "ppo", "ppo_loss_mask": loss_mask})
+        ppo = PPO(spec, Ranks(), MemoryCritic())  # type: ignore[arg-type]
+        ppo.restore(0)
+        grad_norms[loss_mask] = ppo.update(batch, TorchBackend(spec.training, policy_dir, Ranks()), version=0)[
+            "train_optim/grad_norm"
+        ]
+    assert grad_norms["ended"] == 0.0
+    assert grad_norms["all"] > 0.0

@@ -100,7 +100,7 @@ def _logprobs() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_clipped_policy_loss_both_sides_of_the_clip():
     logprobs, old = _logprobs()
-    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, ratio_eps=0.2)
+    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, clip=(0.2, 0.2))
     assert out.loss.item() == pytest.approx(0.525, abs=1e-6)
     assert out.ppo_ratio.item() == pytest.approx((1.5 + 0.5 + 0.5 + 1.1) / 4, abs=1e-6)  # 0.9
     assert out.ppo_ratio_clamped.item() == pytest.approx((1.2 + 0.8 + 0.8 + 1.1) / 4, abs=1e-6)  # 0.975
@@ -115,7 +115,7 @@ def test_clipped_policy_loss_both_sides_of_the_clip():
 
 def test_policy_loss_normalises_by_the_whole_batch_token_count():
     logprobs, old = _logprobs()
-    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, ratio_eps=0.2, normalizer=LossNormalizer("token_mean", 8, 2))
+    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, (0.2, 0.2), normalizer=LossNormalizer("token_mean", 8, 2))
     assert out.loss.item() == pytest.approx(2.1 / 8, abs=1e-6)
     assert out.ppo_ratio.item() == pytest.approx(0.9, abs=1e-6)  # metrics stay this call's means
 
@@ -123,7 +123,7 @@ def test_policy_loss_normalises_by_the_whole_batch_token_count():
 def test_policy_loss_entropy_bonus():
     logprobs, old = _logprobs()
     entropies = torch.tensor([[0.4, 0.6, 50.0], [1.0, 2.0, 50.0]])
-    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, 0.2, entropies=entropies, entropy_bonus=0.1)
+    out = ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, (0.2, 0.2), entropies=entropies, entropy_bonus=0.1)
     # H = (0.4 + 0.6 + 1.0 + 2.0) / 4 = 1.0; loss = 0.525 - 0.1 * 1.0
     assert out.entropy.item() == pytest.approx(1.0)
     assert out.loss.item() == pytest.approx(0.425, abs=1e-6)

@@ -27,6 +27,12 @@ def test_defaults_follow_nemo_aligner():
     assert spec.training.max_grad_norm == 1.0
     assert spec.resolved_run_dir() == Path("runs/t")
     assert (spec.algorithm.name, spec.algorithm.advantage_estimator) == ("reinforce", "rloo")
+    # OpenRLHF's and NeMo-RL's KL clamp; NeMo-Aligner's PPO actor mask; one symmetric PPO clip
+    assert (spec.algorithm.kl_clamp, spec.algorithm.ppo_loss_mask, spec.algorithm.clip_range()) == (
+        10.0,
+        "ended",
+        (0.2, 0.2),
+    )
     # NeMo-Aligner's gpt_ppo_critic.yaml
     c = spec.critic
     assert (c.lr, c.weight_decay, c.adam_betas, c.max_grad_norm, c.value_clip) == (9e-6, 0.1, (0.9, 0.98), 1.0, 0.2)
@@ -92,6 +98,22 @@ def test_defaults_follow_nemo_aligner():
         (
             {"algorithm": {"name": "ppo", "correct_engine_mismatch": True}},
             "algorithm.correct_engine_mismatch is reinforce's",
+        ),
+        ({"algorithm": {"name": "ppo", "policy_loss": "gspo"}}, "algorithm.policy_loss is reinforce's"),
+        ({"algorithm": {"kl_clamp": 0}}, "algorithm.kl_clamp: Input should be greater than 0"),
+        ({"algorithm": {"ratio_eps_low": 1.0}}, "algorithm.ratio_eps_low: Input should be less than 1"),
+        ({"algorithm": {"ppo_loss_mask": "is_end"}}, "algorithm.ppo_loss_mask: Input should be 'ended' or 'all'"),
+        (
+            {"algorithm": {"dynamic_sampling": True, "max_policy_lag": 1}},
+            "algorithm.dynamic_sampling needs algorithm.max_policy_lag 0 and one data-parallel rank",
+        ),
+        (
+            {"algorithm": {"dynamic_sampling": True}, "training": {"num_ranks": 2}},
+            "algorithm.dynamic_sampling needs algorithm.max_policy_lag 0 and one data-parallel rank",
+        ),
+        (
+            {"algorithm": {"overlong_buffer": 64}, "generation": {"max_new_tokens": 48}},
+            "algorithm.overlong_buffer (64) must not exceed generation.max_new_tokens (48)",
         ),
     ],
 )
@@ -182,3 +204,11 @@ def test_engine_defaults_resolve_by_engine(engine, algorithm, dtype, corrects):
     assert parse_spec(
         {**MINIMAL, "generation": {"engine": engine, "dtype": "float32"}}
     ).generation.resolved_dtype() == ("float32")
+
+
+def test_clip_ranges_resolve_per_policy_loss():
+    dapo = parse_spec({**MINIMAL, "algorithm": {"policy_loss": "clip", "ratio_eps_high": 0.28}})
+    assert dapo.algorithm.clip_range() == (0.2, 0.28)
+    gspo = parse_spec({**MINIMAL, "algorithm": {"policy_loss": "gspo"}})
+    assert gspo.algorithm.clip_range() == (3e-4, 4e-4)
+    assert parse_spec({**MINIMAL, "algorithm": {"kl_clamp": None}}).algorithm.kl_clamp is None

@@ -180,10 +180,11 @@ class AlgorithmSpec(_Section):
         description="reinforce: REINFORCE with a group baseline (`advantage_estimator`); ppo: PPO with the critic "
         "service (section `critic`), GAE and the clipped objective.",
     )
-    advantage_estimator: Literal["rloo", "grpo", "reinforce_plus_plus"] = Field(
+    advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_plus_plus"] = Field(
         "rloo",
         description="reinforce: rloo (leave-one-out baseline of the properly-ended others), grpo (group mean and "
-        "std, TRL), reinforce_plus_plus (per-token KL rewards, returns whitened over the step's batch, OpenRLHF).",
+        "std, TRL), dr_grpo (group mean, no std division; Dr. GRPO), reinforce_plus_plus (per-token KL rewards, "
+        "returns whitened over the step's batch, OpenRLHF). Group and batch statistics count kept samples only.",
     )
     baseline_samples: Literal["ended", "all"] = Field(
         "ended",
@@ -198,6 +199,12 @@ class AlgorithmSpec(_Section):
     use_absolute_kl: bool = Field(True, description="With kl_estimator k1, average |d_t| instead of d_t.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k1", description="k1: d; k2: d^2/2; k3: exp(-d) - 1 + d, with d = log pi - log pi_ref per token."
+    )
+    kl_clamp: float | None = Field(
+        10.0,
+        gt=0,
+        description="Each token's KL estimate is clamped to [-kl_clamp, kl_clamp] (OpenRLHF and NeMo-RL: 10; null: "
+        "no clamp, as NeMo-Aligner and TRL).",
     )
     loss_aggregation: LossAggregation = Field(
         "token_mean",
@@ -239,6 +246,48 @@ class AlgorithmSpec(_Section):
         0.2, gt=0, description="ppo: eps of the clipped ratio clip(pi / pi_old, 1 - eps, 1 + eps)."
     )
     entropy_bonus: float = Field(0.0, ge=0, description="ppo: c_H of L_actor = L_clip - c_H * H.")
+    ppo_loss_mask: Literal["ended", "all"] = Field(
+        "ended",
+        description="ppo: the tokens L_clip and H average over: ended (properly-ended responses only, NeMo-Aligner's "
+        "actor: a response cut by max_new_tokens adds no gradient) or all (every kept response).",
+    )
+    ratio_eps_low: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Lower clip: rho >= 1 - ratio_eps_low (null: ratio_eps). ppo and policy_loss clip.",
+    )
+    ratio_eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip: rho <= 1 + ratio_eps_high (null: ratio_eps; DAPO's clip-higher: 0.28 with 0.2 low).",
+    )
+    policy_loss: Literal["reinforce", "clip", "gspo"] = Field(
+        "reinforce",
+        description="reinforce's loss: reinforce (-A log pi, times the truncated importance weight where it applies), "
+        "clip (the clipped surrogate of the token ratio pi / mu, mu the generator's log-probs: PPO's, DAPO's with "
+        "ratio_eps_low/high) or gspo (the sequence ratio exp(mean_t log pi / mu), clipped by gspo_eps_low/high).",
+    )
+    gspo_eps_low: float = Field(3e-4, gt=0, lt=1, description="policy_loss gspo: s_i >= 1 - gspo_eps_low (GSPO's).")
+    gspo_eps_high: float = Field(4e-4, gt=0, description="policy_loss gspo: s_i <= 1 + gspo_eps_high (GSPO's).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a group whose rewards are all equal is filtered (acknowledged, "
+        "recorded in trained_groups.jsonl, not trained) and a new prompt replaces it.",
+    )
+    max_filtered_groups: int = Field(
+        32,
+        ge=0,
+        description="dynamic_sampling: at most this many groups of a step are filtered; beyond, the step trains on "
+        "the groups that arrive.",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO's overlong shaping: a response longer than max_new_tokens - overlong_buffer tokens loses "
+        "overlong_penalty * (its excess / overlong_buffer) of reward (null: off).",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="overlong_buffer: the penalty at max_new_tokens.")
 
     @model_validator(mode="after")
     def _normalizer_only_for_constant(self) -> AlgorithmSpec:
@@ -248,6 +297,12 @@ class AlgorithmSpec(_Section):
                 "or set loss_aggregation: constant"
             )
         return self
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the ratio's clip: GSPO's for policy_loss gspo, else ratio_eps_low/high."""
+        if self.policy_loss == "gspo":
+            return self.gspo_eps_low, self.gspo_eps_high
+        return self.ratio_eps_low or self.ratio_eps, self.ratio_eps_high or self.ratio_eps
 
 
 CriticInit = Literal["policy", "reward_model"]
@@ -635,11 +690,29 @@ class RunSpec(_Section):
                 raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")
             if a.correct_engine_mismatch:
                 raise ValueError("algorithm.correct_engine_mismatch is reinforce's: leave it unset with ppo")
+            if a.policy_loss != "reinforce":
+                raise ValueError("algorithm.policy_loss is reinforce's (ppo's loss is always clipped): leave it unset")
             if t.prompts_per_step % a.num_minibatches:
                 raise ValueError(
                     f"training.prompts_per_step ({t.prompts_per_step}) must be a multiple of "
                     f"algorithm.num_minibatches ({a.num_minibatches})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _dapo_settings_fit(self) -> RunSpec:
+        a, t = self.algorithm, self.training
+        if a.dynamic_sampling and (a.max_policy_lag > 0 or t.data_parallel > 1):
+            # the main rank draws a filtered group's replacement from the data cursor while the step collects
+            raise ValueError(
+                "algorithm.dynamic_sampling needs algorithm.max_policy_lag 0 and one data-parallel rank "
+                "(training.num_ranks = tensor_parallel x pipeline_parallel)"
+            )
+        if a.overlong_buffer is not None and a.overlong_buffer > self.generation.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed generation.max_new_tokens "
+                f"({self.generation.max_new_tokens})"
+            )
         return self
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ class StepBatch:
     is_end: torch.Tensor  # [G, k] bool; False also for samples dropped for a non-finite reward
     keep: torch.Tensor  # [G, k] bool; samples that contribute to the loss
     num_tokens: int  # response tokens of kept samples: the token_mean loss normaliser
+    lengths: torch.Tensor  # [G, k] response lengths in tokens
 
     @property
     def num_samples(self) -> int:
@@ -30,7 +31,7 @@ class StepBatch:
         keep = torch.isfinite(rewards)
         is_end = torch.tensor([[s.is_end for s in g.samples] for g in groups]) & keep
         lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups])
-        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()))
+        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()), lengths)
 
 
 def token_lists(groups: list[RolloutGroup]) -> tuple[list[list[int]], list[list[int]]]:

@@ -37,7 +37,9 @@ class GroupLimits:
             max_response_tokens=spec.generation.max_new_tokens,
             max_prompt_tokens=spec.data.max_prompt_tokens,
             vocab_size=vocab_size,
-            prompts_per_step=spec.training.prompts_per_step,
+            # dynamic sampling's replacements take the next indices (trainer/dynamic_sampling.py)
+            prompts_per_step=spec.training.prompts_per_step
+            + spec.algorithm.dynamic_sampling * spec.algorithm.max_filtered_groups,
             max_policy_lag=spec.algorithm.max_policy_lag,
         )
 

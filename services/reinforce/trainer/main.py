@@ -41,6 +41,7 @@ from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.dynamic_sampling import GroupFilter
 from reinforce.trainer.feed import PromptFeeder
 from reinforce.trainer.plot import plot_metrics
 from reinforce.trainer.samples import log_samples
@@ -52,6 +53,7 @@ SUMMED_METRICS = {
     "train_optim/loss",
     "train_rollouts/dropped_nonfinite_rewards",
     "train_rollouts/dropped_stale_groups",
+    "train_rollouts/filtered_groups",
     "train_rollouts/refused_mismatched_groups",
     "timers/generate",
     "timers/reward",
@@ -97,8 +99,12 @@ class Trainer:
         self.queue = RolloutQueue(queue, spec.name)
         self.queue.ensure_groups()
         self.feeder = PromptFeeder(spec, open_prompt_cursor(spec), self.tokenizer, self.queue)
+        self.group_filter = None  # DAPO's dynamic sampling (one data-parallel rank: its reader is the main process)
+        if spec.algorithm.dynamic_sampling:
+            self.group_filter = GroupFilter(spec, self.queue, self.feeder.enqueue_replacement)
         self.collector = GroupCollector(
-            spec, self.queue, self.consumer, self.ranks, self.feeder.prompt_of, self.stopping
+            spec, self.queue, self.consumer, self.ranks, self.feeder.prompt_of, self.stopping,
+            group_filter=self.group_filter,
         )
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
         self.validator: Validator | None = None
@@ -256,6 +262,8 @@ class Trainer:
         indices = self.ranks.gather_ints([_prompt_index(g) for g in groups], len(groups))
         values.update(self.rollout_stats(batch, rollout_time, trained))
         values.update(self.feeder.trained(trained))
+        filtered = self.group_filter.take(trained) if self.group_filter is not None else []
+        values["train_rollouts/filtered_groups"] = float(len(filtered))
         values["timers/step_time"] = time.perf_counter() - step_start
         values = self.ranks.reduce_metrics(values, SUMMED_METRICS, MAXED_METRICS)
         if evaluate:
@@ -263,7 +271,10 @@ class Trainer:
         if not self.ranks.is_main:
             return
         trained_ids = [f"{trained}-{i}" for i in indices]
-        _append_jsonl(self.paths.trained_groups, {"step": self.step, "prompt_ids": trained_ids})
+        audit = {"step": self.step, "prompt_ids": trained_ids}
+        if self.group_filter is not None:
+            audit["filtered_prompt_ids"] = filtered  # acknowledged, never trained (dynamic sampling)
+        _append_jsonl(self.paths.trained_groups, audit)
         self.record(self.step, values)
         log.info(
             "step %d reward %.4f kl %.4f grad norm %.4f",

@@ -146,7 +146,7 @@ class Validator:
             logprobs, mask = self.backend.policy_logprobs(prompts, responses, temperature)
             ref = self.backend.reference_logprobs(prompts, responses, temperature)
             a = self.spec.algorithm
-            per_sample = sequence_kl(logprobs.detach(), ref, mask, a.kl_estimator, a.use_absolute_kl)
+            per_sample = sequence_kl(logprobs.detach(), ref, mask, a.kl_estimator, a.use_absolute_kl, a.kl_clamp)
             kl = per_sample.sum().item() / len(samples)  # an empty response's KL is 0
         return {
             "val/rewards": rewards[finite].mean().item() if finite.any() else float("nan"),

@@ -13,13 +13,18 @@ the n real tokens of each row.
     R_t       = A_t + V(s_t)                                          the critic's regression target (return)
     Â_t       = (A_t - mean A) / sqrt(var A + 1e-8)                   masked over the batch; var is uncorrected
     rho_t     = pi(y_t) / pi_old(y_t)
-    L_clip    = (1/N) sum_t mask_t * max(-Â_t * rho_t,  -Â_t * clip(rho_t, 1 - eps, 1 + eps))
-    H         = (1/N) sum_t mask_t * H_t,      H_t = - sum_v pi(v | s_t) log pi(v | s_t)
+    L_clip    = (1/N) sum_t m_t * max(-Â_t * rho_t,  -Â_t * clip(rho_t, 1 - eps_low, 1 + eps_high))
+    H         = (1/N) sum_t m_t * H_t,      H_t = - sum_v pi(v | s_t) log pi(v | s_t)
     L_actor   = L_clip - c_H * H                                      entropy bonus c_H
     V^clip_t  = V_old(s_t) + clip(V(s_t) - V_old(s_t), -eps_v, eps_v)  V_old: the critic that valued the rollout
     L_critic  = (1/N) sum_t mask_t * 0.5 * max((V(s_t) - R_t)^2,  (V^clip_t - R_t)^2)
 
-N is the number of response tokens in the whole (mini)batch: the losses are masked token means, and passing the
+eps_low = eps_high = ratio_eps by default (ratio_eps_low / ratio_eps_high decouple them: DAPO's clip-higher). m_t is
+1 on the tokens of the properly-ended responses (`ppo_loss_mask: ended`, NeMo-Aligner's actor since 2024:
+masked_mean(max(loss1, loss2), mask * is_end), its entropy over the same mask): a response cut by max_new_tokens adds
+no gradient to the actor; `ppo_loss_mask: all` sets m_t = mask_t. The advantages are whitened, and the critic
+trained, over every kept response either way, as in NeMo-Aligner.
+N is the number of tokens m_t counts in the whole (mini)batch: the losses are masked token means, and passing the
 batch's N to each micro-batch makes gradient accumulation add up to exactly the full-batch gradient. L_clip and H
 follow `algorithm.loss_aggregation` (token_mean above; aggregation.py); L_critic is always the token mean, and the
 critic service computes it (critic/value_model.py critic_loss).
@@ -123,13 +128,23 @@ def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0.0).sum() / max(int(mask.sum()), 1)
 
 
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip: tuple[float, float]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per token: max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) with clip = (eps_low, eps_high), the clamped
+    ratio, and where the clipped term wins (rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0: those
+    tokens get no gradient). All [B, T]; advantages carry no gradient."""
+    ratio_clamped = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
+    unclipped = -advantages.detach() * ratio
+    clipped = -advantages.detach() * ratio_clamped
+    return torch.maximum(unclipped, clipped), ratio_clamped, clipped > unclipped
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """L_actor (differentiable) and its metrics; the metrics are masked means over this call's tokens, detached."""
 
     loss: Tensor
     ppo_ratio: Tensor  # mean rho (NeMo-Aligner's ppo_ratio)
-    ppo_ratio_clamped: Tensor  # mean clip(rho, 1 - eps, 1 + eps) (NeMo-Aligner's ppo_ratio_clamped)
+    ppo_ratio_clamped: Tensor  # mean clip(rho, 1 - eps_low, 1 + eps_high) (NeMo-Aligner's ppo_ratio_clamped)
     clip_fraction: Tensor  # tokens whose clipped term wins the max, so they get no gradient
     entropy: Tensor | None  # H, when token entropies were given
 
@@ -139,24 +154,21 @@ def ppo_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    ratio_eps: float,
+    clip: tuple[float, float],
     normalizer: LossNormalizer | None = None,
     entropies: Tensor | None = None,
     entropy_bonus: float = 0.0,
 ) -> PolicyLoss:
-    """The clipped surrogate L_actor. logprobs (differentiable), old_logprobs, advantages (whitened), mask, and the
-    optional token entropies H_t: all [B, T]. normalizer: the whole minibatch's loss aggregation, which L_clip and
-    H in the loss use (None: the masked token mean over this call's tokens)."""
+    """The clipped surrogate L_actor. logprobs (differentiable), old_logprobs, advantages (whitened), mask m_t, and
+    the optional token entropies H_t: all [B, T]; clip: (eps_low, eps_high). normalizer: the whole minibatch's loss
+    aggregation, which L_clip and H in the loss use (None: the masked token mean over this call's tokens)."""
     mask = mask.bool()
     if normalizer is None:
         normalizer = LossNormalizer("token_mean", int(mask.sum()), mask.shape[0])
-    advantages = advantages.detach()
     # Padding's log-ratio is set to 0 before exp: exp of garbage may overflow, and its gradient (0 * inf) be nan.
     ratio = torch.exp(torch.where(mask, logprobs - old_logprobs.detach(), 0.0))
-    ratio_clamped = ratio.clamp(1.0 - ratio_eps, 1.0 + ratio_eps)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio_clamped
-    loss = normalizer.reduce(torch.maximum(unclipped, clipped), mask)
+    terms, ratio_clamped, clipped = clipped_surrogate(ratio, advantages, clip)
+    loss = normalizer.reduce(terms, mask)
     entropy = None
     if entropies is not None:
         loss = loss - entropy_bonus * normalizer.reduce(entropies, mask)
@@ -165,7 +177,7 @@ def ppo_policy_loss(
         loss=loss,
         ppo_ratio=_token_mean(ratio.detach(), mask),
         ppo_ratio_clamped=_token_mean(ratio_clamped.detach(), mask),
-        # rho > 1 + eps with A > 0, or rho < 1 - eps with A < 0 (TRL's clip_ratio/region_mean)
-        clip_fraction=_token_mean((clipped > unclipped).detach().to(ratio.dtype), mask),
+        # where the clipped term won (TRL's clip_ratio/region_mean)
+        clip_fraction=_token_mean(clipped.to(ratio.dtype), mask),
         entropy=entropy,
     )

@@ -6,7 +6,8 @@ The formulas are ppo.py's. One step on the step's batch of B = prompts_per_step 
                                   while the critic answers V_old(s_t) for the same tokens (/v1/values, in a thread)
     2. whole batch:               r_t = token_rewards(...), (A_t, R_t) = GAE(V_old, r), Â_t = masked_whiten(A)
     3. ppo_epochs x num_minibatches, a seeded permutation of the samples per epoch:
-           actor:  one AdamW step on L_actor (clipped ratio, entropy bonus) per minibatch, micro-batched
+           actor:  one AdamW step on L_actor (clipped ratio, entropy bonus) per minibatch, micro-batched, over the
+                   tokens of `ppo_loss_mask` (by default the properly-ended responses)
            critic: the same minibatches in one /v1/train request, one AdamW step each, running in a thread
                    beside the actor's steps (the critic computes in its own process)
 
@@ -35,6 +36,7 @@ from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
+from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
 from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean
 from reinforce.trainer.backends.base import TrainerBackend
@@ -51,6 +53,8 @@ class Rollout:
     keep: Tensor  # [B] bool: samples trained on (a non-finite reward drops its sample)
     old_logprobs: Tensor  # log pi_old: the weights that sampled the batch
     mask: Tensor  # 1 on response tokens of kept samples
+    actor_samples: Tensor  # [B] bool: samples whose tokens L_actor averages over (ppo_loss_mask)
+    actor_mask: Tensor  # mask of the actor_samples
     kl: Tensor  # kl_t to the reference
     values: Tensor  # V_old(s_t), from the critic
     advantages: Tensor  # A_t (GAE)
@@ -165,11 +169,17 @@ class PPO(Algorithm):
         values = self.ranks.share_tensor_with_model_peers(values)
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
 
-        kl = kl_per_token(old_logprobs, ref_logprobs, alg.kl_estimator, alg.use_absolute_kl)
-        rewards = token_rewards(batch.rewards.reshape(-1), kl, mask, alg.initial_policy_kl_penalty)
+        kl = kl_per_token(old_logprobs, ref_logprobs, alg.kl_estimator, alg.use_absolute_kl, alg.kl_clamp)
+        scores = shaped_rewards(batch, self.spec).reshape(-1)
+        rewards = token_rewards(scores, kl, mask, alg.initial_policy_kl_penalty)
         advantages, returns = generalized_advantages(values, rewards, mask, alg.discount_factor, alg.gae_lambda)
         whitened = masked_whiten(advantages, mask, all_reduce=self.ranks.sum_tensor)
-        rollout = Rollout(prompt_ids, response_ids, keep, old_logprobs, mask, kl, values, advantages, returns, whitened)
+        actor_samples = keep & batch.is_end.reshape(-1) if alg.ppo_loss_mask == "ended" else keep
+        actor_mask = mask * actor_samples.unsqueeze(-1)
+        rollout = Rollout(
+            prompt_ids, response_ids, keep, old_logprobs, mask, actor_samples, actor_mask, kl, values, advantages,
+            returns, whitened,
+        )  # fmt: skip
         return rollout, timers, mismatch.mean()
 
     def minibatches(self, num_samples: int, version: int) -> list[Tensor]:
@@ -188,8 +198,8 @@ class PPO(Algorithm):
         """One AdamW step of the policy on a minibatch's L_actor, micro-batched; the minibatch's metrics."""
         alg, t, temperature = self.spec.algorithm, self.spec.training, self.spec.generation.temperature
         backend.zero_grad()
-        num_tokens = int(rollout.mask[rows].sum())
-        normalizer = step_normalizer(self.spec, num_tokens, int(rollout.keep[rows].sum()))
+        num_tokens = int(rollout.actor_mask[rows].sum())
+        normalizer = step_normalizer(self.spec, num_tokens, int(rollout.actor_samples[rows].sum()))
         micro = t.micro_batch_prompts * alg.num_rollouts_per_prompt
         sums = dict.fromkeys(("loss", "ppo_ratio", "ppo_ratio_clamped", "ppo_clip_fraction", "entropy"), 0.0)
         for part in rows.split(micro):
@@ -199,10 +209,10 @@ class PPO(Algorithm):
             columns = slice(0, mask.shape[1])
             out = ppo_policy_loss(
                 logprobs, rollout.old_logprobs[part, columns], rollout.whitened[part, columns],
-                rollout.mask[part, columns], alg.ratio_eps, normalizer, entropy, alg.entropy_bonus,
+                rollout.actor_mask[part, columns], alg.clip_range(), normalizer, entropy, alg.entropy_bonus,
             )  # fmt: skip
             out.loss.backward()
-            share = float(rollout.mask[part].sum()) / max(num_tokens, 1)  # this part's share of the token means
+            share = float(rollout.actor_mask[part].sum()) / max(num_tokens, 1)  # this part's share of the token means
             sums["loss"] += out.loss.item()
             sums["ppo_ratio"] += out.ppo_ratio.item() * share
             sums["ppo_ratio_clamped"] += out.ppo_ratio_clamped.item() * share

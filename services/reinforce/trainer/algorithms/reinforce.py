@@ -6,6 +6,8 @@ y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen init
     d_t                = log pi(y_t) - log pi_ref(y_t)                        (response tokens only)
     KL_i               = masked mean over t of  |d_t|  (k1, use_absolute_kl)   or  d_t  (k1)
                                                d_t^2 / 2  (k2)   or   exp(-d_t) - 1 + d_t  (k3)
+                         each token's estimate clamped to [-kl_clamp, kl_clamp] (10: OpenRLHF's compute_approx_kl
+                         and NeMo-RL's calculate_kl clamp their estimate to [-10, 10]; NeMo-Aligner and TRL do not)
     rewards_with_kl_i  = r_i - beta * KL_i
     b_i                = mean of rewards_with_kl_j over the properly-ended j != i    (M >= 2 ended)
                        = rewards_with_kl_i                                            (M < 2: no signal)
@@ -13,9 +15,23 @@ y_1..y_k are sampled from the policy pi; the reference pi_ref is the frozen init
     A_i                = rewards_with_kl_i - b_i                 (a constant: it carries no gradient)
     loss               = - (1 / N) * sum_i sum_t  mask_it * log pi(y_it) * A_i     (loss_aggregation token_mean)
 
-`algorithm.advantage_estimator` chooses A: rloo (above, the default), grpo (group-normalised) or
-reinforce_plus_plus (a per-token A_it, whitened over the step's batch); the other two are in advantages.py, and
-the loss is the same with A_it in place of A_i.
+`algorithm.advantage_estimator` chooses A: rloo (above, the default), grpo (group-normalised), dr_grpo (group mean
+only) or reinforce_plus_plus (a per-token A_it, whitened over the step's batch); the others are in advantages.py,
+and the loss is the same with A_it in place of A_i. A sample whose reward is not finite is dropped from the step:
+it is in no baseline, group statistic or whitening.
+
+`algorithm.policy_loss` clip and gspo replace the loss by a clipped surrogate of an importance ratio to mu, the
+policy that sampled (its log-probs as the generator recorded them):
+
+    clip     rho_it = pi(y_it) / mu(y_it)                          PPO's per-token ratio (DAPO: ratio_eps_high > low)
+    gspo     rho_it = s_i * pi(y_it) / sg[pi(y_it)],  s_i = exp(masked mean over t of log pi(y_it) - log mu(y_it))
+                                                     GSPO's sequence ratio (Zheng et al. 2025, arXiv 2507.18071, its
+                                                     "GSPO-token" form: value s_i, gradient s_i * grad log pi(y_it))
+    loss     = aggregation over i, t of  max(-A_it * rho_it,  -A_it * clip(rho_it, 1 - eps_low, 1 + eps_high))
+
+On-policy with the torch engine mu = pi up to float noise, so rho = 1 and the gradient is REINFORCE's; the clip acts
+on off-policy samples (max_policy_lag > 0) and on an engine's mismatch (the truncated weight is then not applied:
+the ratio is the importance weight). GSPO is its paper's objective with loss_aggregation sequence_mean.
 
 Asynchronous mode (max_policy_lag > 0) samples with weights up to n versions old (the behaviour policy mu);
 each token's term is then weighted by the truncated importance weight  min(pi(y_t) / mu(y_t), cap),
@@ -43,12 +59,14 @@ from torch import Tensor
 
 from reinforce.trainer.algorithms.advantages import (
     AdvantageEstimator,
+    dr_grpo_advantages,
     grpo_advantages,
     reinforce_plus_plus_advantages,
 )
 from reinforce.trainer.algorithms.aggregation import LossNormalizer, step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
-from reinforce.trainer.algorithms.ppo import SumOverRanks, local_sum
+from reinforce.trainer.algorithms.dapo import shaped_rewards
+from reinforce.trainer.algorithms.ppo import SumOverRanks, clipped_surrogate, local_sum
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import StepBatch, generator_logprobs, pad_cat, token_lists
 
@@ -64,23 +82,34 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
     return torch.where(mask, values, 0.0).sum(dim) / mask.sum(dim).clamp(min=1).to(values.dtype)
 
 
-def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator, use_absolute_kl: bool) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from d_t = log pi(y_t) - log pi_ref(y_t), y_t ~ pi."""
+def kl_per_token(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator, use_absolute_kl: bool, clamp: float | None = None
+) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from d_t = log pi(y_t) - log pi_ref(y_t), y_t ~ pi, clamped to
+    [-clamp, clamp] (None: not clamped). One token far from the reference (k3 at d = -15: 3.3e6) would otherwise
+    outweigh a whole batch."""
     d = logprobs - ref_logprobs
     if estimator == "k1":
-        return d.abs() if use_absolute_kl else d
-    if estimator == "k2":
-        return d.square() / 2
-    if estimator == "k3":
-        return torch.exp(-d) - 1 + d
-    raise ValueError(f"unknown kl_estimator {estimator!r} (expected k1, k2 or k3)")
+        kl = d.abs() if use_absolute_kl else d
+    elif estimator == "k2":
+        kl = d.square() / 2
+    elif estimator == "k3":
+        kl = torch.exp(-d) - 1 + d
+    else:
+        raise ValueError(f"unknown kl_estimator {estimator!r} (expected k1, k2 or k3)")
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def sequence_kl(
-    logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: KLEstimator, use_absolute_kl: bool
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    estimator: KLEstimator,
+    use_absolute_kl: bool,
+    clamp: float | None = None,
 ) -> Tensor:
-    """KL_i: the masked mean over each response's tokens. Shapes [B, T] -> [B]."""
-    return masked_mean(kl_per_token(logprobs, ref_logprobs, estimator, use_absolute_kl), mask)
+    """KL_i: the masked mean over each response's tokens of the (clamped) estimate. Shapes [B, T] -> [B]."""
+    return masked_mean(kl_per_token(logprobs, ref_logprobs, estimator, use_absolute_kl, clamp), mask)
 
 
 def rloo_baseline(rewards_with_kl: Tensor, is_end: Tensor) -> Tensor:
@@ -139,14 +168,26 @@ def policy_gradient_loss(
     return -normalizer.reduce(per_token, mask)
 
 
+def importance_ratio(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, level: str) -> Tensor:
+    """rho_it of policy_loss clip (level "clip": pi / mu per token) or gspo (the sequence ratio s_i on each of its
+    tokens, with the gradient of s_i * log pi(y_it)). logprobs differentiable; [B, T] each; 1 on padding for clip."""
+    mask = mask.bool()
+    # padding's log-ratio is 0 before exp: exp of garbage may overflow, and its gradient (0 * inf) be nan
+    log_ratio = torch.where(mask, logprobs - behaviour_logprobs, 0.0)
+    if level == "clip":
+        return torch.exp(log_ratio)
+    sequence = masked_mean(log_ratio.detach(), mask).unsqueeze(-1)
+    return torch.exp(sequence + torch.where(mask, logprobs - logprobs.detach(), 0.0))
+
+
 def mismatched_groups(
     behaviour: Tensor, logprobs: Tensor, mask: Tensor, same_version: Tensor, k: int, limit: float
 ) -> Tensor:
     """[G] bool: groups sampled by the version being trained whose mean |mu - pi| over a sample's tokens exceeds
     `limit` for any sample. Same weights give the same log-probs up to float noise, so such a group was sampled by
-    other weights (a forged or corrupted version) and must not be trained on."""
+    other weights (a forged or corrupted version) and must not be trained on. A NaN gap counts as too far."""
     gap = masked_mean((behaviour - logprobs.detach()).abs(), mask)  # [B]
-    return (gap.view(-1, k) > limit).any(-1) & same_version.view(-1, k).all(-1)
+    return (~(gap.view(-1, k) <= limit)).any(-1) & same_version.view(-1, k).all(-1)
 
 
 @dataclass(frozen=True)
@@ -157,6 +198,19 @@ class TokenAdvantages:
     advantages: Tensor  # [B, T], 0 on padding, no gradient
 
 
+@dataclass(frozen=True)
+class KLPenalty:
+    """How the reward is penalised for the distance to the reference: beta and the per-token estimate."""
+
+    beta: float
+    estimator: KLEstimator = "k1"
+    use_absolute_kl: bool = True
+    clamp: float | None = None
+
+    def per_token(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return kl_per_token(logprobs, ref_logprobs, self.estimator, self.use_absolute_kl, self.clamp)
+
+
 def token_advantages(
     estimator: AdvantageEstimator,
     rewards: Tensor,
@@ -164,27 +218,32 @@ def token_advantages(
     ref_logprobs: Tensor,
     mask: Tensor,
     is_end: Tensor,
-    kl_penalty: float,
-    kl_estimator: KLEstimator,
-    use_absolute_kl: bool,
+    keep: Tensor,
+    penalty: KLPenalty,
     all_reduce: SumOverRanks = local_sum,
 ) -> TokenAdvantages:
-    """Advantages of one step's batch. rewards, is_end: [num_prompts, k]; logprobs (of the sampling policy, no
-    gradient needed), ref_logprobs, mask: [B, T] with B = num_prompts * k, the samples of a prompt adjacent.
+    """Advantages of one step's batch. rewards, is_end (rloo's baseline members), keep (the samples trained on):
+    [num_prompts, k]; logprobs (of the sampling policy, no gradient needed), ref_logprobs, mask: [B, T] with
+    B = num_prompts * k, the samples of a prompt adjacent. Dropped samples (keep False) count in no statistic.
     all_reduce (reinforce_plus_plus): the sum over data-parallel ranks of the whitening's statistics."""
     logprobs, mask = logprobs.detach(), mask.bool()
-    kl_tokens = kl_per_token(logprobs, ref_logprobs, kl_estimator, use_absolute_kl)
-    kl = sequence_kl(logprobs, ref_logprobs, mask, kl_estimator, use_absolute_kl)
+    kl_tokens = penalty.per_token(logprobs, ref_logprobs)
+    kl = masked_mean(kl_tokens, mask)
     if estimator == "reinforce_plus_plus":
-        return TokenAdvantages(
-            kl, reinforce_plus_plus_advantages(rewards.reshape(-1), kl_tokens, mask, kl_penalty, all_reduce)
-        )
+        kept_tokens = mask & keep.reshape(-1, 1)
+        whitened = reinforce_plus_plus_advantages(rewards.reshape(-1), kl_tokens, kept_tokens, penalty.beta, all_reduce)
+        return TokenAdvantages(kl, whitened)
+    rewards_with_kl = rewards - penalty.beta * kl.view(rewards.shape)
     if estimator == "rloo":
-        per_sample = rloo_advantages(rewards, kl.view(rewards.shape), is_end, kl_penalty).advantages
+        per_sample = rloo_advantages(rewards, kl.view(rewards.shape), is_end, penalty.beta).advantages
     elif estimator == "grpo":
-        per_sample = grpo_advantages(rewards - kl_penalty * kl.view(rewards.shape))
+        per_sample = grpo_advantages(rewards_with_kl, keep)
+    elif estimator == "dr_grpo":
+        per_sample = dr_grpo_advantages(rewards_with_kl, keep)
     else:
-        raise ValueError(f"unknown advantage_estimator {estimator!r} (expected rloo, grpo or reinforce_plus_plus)")
+        raise ValueError(
+            f"unknown advantage_estimator {estimator!r} (expected rloo, grpo, dr_grpo or reinforce_plus_plus)"
+        )
     advantages = torch.where(mask, per_sample.reshape(-1, 1).to(logprobs.dtype), 0.0)
     return TokenAdvantages(kl, advantages.detach())
 
@@ -204,13 +263,14 @@ class Reinforce(Algorithm):
         temperature = self.spec.generation.temperature
         train_start = time.perf_counter()
         whole_batch, ref_seconds = None, 0.0
+        rewards = shaped_rewards(batch, self.spec)
         if alg.advantage_estimator == "reinforce_plus_plus":
-            whole_batch, ref_seconds = self.whole_batch_advantages(batch, backend)
+            whole_batch, ref_seconds = self.whole_batch_advantages(batch, rewards, backend)
         backend.zero_grad()
         # N and S of every rank's batch
         normalizer = step_normalizer(self.spec, self.ranks.sum(batch.num_tokens), self.ranks.sum(batch.num_samples))
         kl_all, advantage_means, loss_total, refused_groups = [], [], 0.0, 0
-        advantages_abs, mismatch, weights = TokenStats(), TokenStats(), TokenStats()
+        advantages_abs, mismatch, weights, clipped = TokenStats(), TokenStats(), TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
         for start in range(0, len(batch.groups), t.micro_batch_prompts):
             rows = slice(start, start + t.micro_batch_prompts)
@@ -223,7 +283,7 @@ class Reinforce(Algorithm):
             logprobs, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
             if whole_batch is None:
                 adv = self.advantages(
-                    batch.rewards[rows], logprobs, ref_logprobs, mask, self.baseline_members(batch)[rows]
+                    rewards[rows], logprobs, ref_logprobs, mask, self.baseline_members(batch)[rows], batch.keep[rows]
                 )
             else:
                 samples = slice(start * k, (start + len(groups)) * k)
@@ -233,11 +293,7 @@ class Reinforce(Algorithm):
             refused = mismatched_groups(behaviour, logprobs, mask, same_version, k, t.max_logprob_mismatch)
             refused_groups += int(refused.sum())
             loss_mask = mask * (batch.keep[rows] & ~refused.unsqueeze(-1)).reshape(-1, 1)
-            rho = None
-            if alg.max_policy_lag > 0 or self.spec.corrects_engine_mismatch():
-                rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
-                weights.add(rho, loss_mask)
-            loss = policy_gradient_loss(logprobs, adv.advantages, loss_mask, normalizer, rho)
+            loss = self.loss(logprobs, behaviour, adv.advantages, loss_mask, normalizer, weights, clipped)
             loss.backward()
             loss_total += loss.item()
             # train/inference mismatch: only where the generator had the very weights being trained
@@ -251,9 +307,11 @@ class Reinforce(Algorithm):
         self.sample_values = SampleValues(kl, torch.cat(advantage_means))
         return {
             "train_rollouts/init_policy_kl": kl[keep].mean().item(),
-            "train_rollouts/rewards_with_kl": (batch.rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl)[keep]
+            "train_rollouts/rewards_with_kl": (rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl)[keep]
             .mean()
             .item(),
+            "train_rollouts/overlong_penalty": (rewards - batch.rewards)[batch.keep].mean().item(),
+            "train_optim/ppo_clip_fraction": clipped.mean(),
             "train_rollouts/advantages_abs": advantages_abs.mean(),
             "train_rollouts/logprob_mismatch": mismatch.mean(),
             "train_rollouts/refused_mismatched_groups": float(refused_groups),
@@ -267,22 +325,50 @@ class Reinforce(Algorithm):
             "timers/train_time": time.perf_counter() - train_start - ref_seconds,
         }
 
+    def loss(
+        self,
+        logprobs: Tensor,
+        behaviour: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        normalizer: LossNormalizer,
+        weights: TokenStats,
+        clipped: TokenStats,
+    ) -> Tensor:
+        """A micro-batch's share of the step's loss (policy_loss), adding to the importance weights' and the clip's
+        statistics."""
+        alg = self.spec.algorithm
+        if alg.policy_loss != "reinforce":
+            ratio = importance_ratio(logprobs, behaviour, mask, alg.policy_loss)
+            terms, _, was_clipped = clipped_surrogate(ratio, advantages, alg.clip_range())
+            clipped.add(was_clipped.to(logprobs.dtype), mask)
+            weights.add(ratio, mask)
+            return normalizer.reduce(terms, mask)
+        rho = None
+        if alg.max_policy_lag > 0 or self.spec.corrects_engine_mismatch():
+            rho = truncated_importance_weights(logprobs, behaviour, alg.importance_weight_cap)
+            weights.add(rho, mask)
+        return policy_gradient_loss(logprobs, advantages, mask, normalizer, rho)
+
     def baseline_members(self, batch: StepBatch) -> Tensor:
         """The samples RLOO's baseline averages over: the properly ended ones (NeMo-Aligner) or every scored one
         (`baseline_samples: all`, TRL), so that responses cut by max_new_tokens still carry a signal."""
         return batch.is_end if self.spec.algorithm.baseline_samples == "ended" else batch.keep
 
     def advantages(
-        self, rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, is_end: Tensor
+        self, rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, is_end: Tensor, keep: Tensor
     ) -> TokenAdvantages:
         alg = self.spec.algorithm
+        penalty = KLPenalty(alg.initial_policy_kl_penalty, alg.kl_estimator, alg.use_absolute_kl, alg.kl_clamp)
         return token_advantages(
-            alg.advantage_estimator, rewards, logprobs, ref_logprobs, mask, is_end,
-            alg.initial_policy_kl_penalty, alg.kl_estimator, alg.use_absolute_kl, self.ranks.sum_tensor,
+            alg.advantage_estimator, rewards, logprobs, ref_logprobs, mask, is_end, keep, penalty,
+            self.ranks.sum_tensor,
         )  # fmt: skip
 
     @torch.no_grad()
-    def whole_batch_advantages(self, batch: StepBatch, backend: TrainerBackend) -> tuple[TokenAdvantages, float]:
+    def whole_batch_advantages(
+        self, batch: StepBatch, rewards: Tensor, backend: TrainerBackend
+    ) -> tuple[TokenAdvantages, float]:
         """The advantages of every sample of the step ([B, T] over the whole batch), and the reference's seconds."""
         temperature, micro = self.spec.generation.temperature, self.spec.training.micro_batch_prompts
         logprobs, ref_logprobs, masks, ref_seconds = [], [], [], 0.0
@@ -295,6 +381,6 @@ class Reinforce(Algorithm):
             logprobs.append(current)
             masks.append(mask)
         advantages = self.advantages(
-            batch.rewards, pad_cat(logprobs), pad_cat(ref_logprobs), pad_cat(masks), self.baseline_members(batch)
+            rewards, pad_cat(logprobs), pad_cat(ref_logprobs), pad_cat(masks), self.baseline_members(batch), batch.keep
         )
         return advantages, ref_seconds
