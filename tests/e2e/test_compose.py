@@ -26,6 +26,7 @@ from conftest import free_port
 
 from reinforce.core import launch
 from reinforce.core.metrics import read_metrics
+from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, WEIGHTS_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +81,18 @@ def test_compose_commands_and_probes_are_the_services_launch():
         assert command == service.command("python", SPEC_IN_CONTAINER, **flags), name
         if service.ready_path:
             assert service.ready_path in " ".join(services[name]["healthcheck"]["test"]), name
+
+
+def test_each_compose_service_holds_only_its_launch_credentials():
+    """Issue #30, R3-7: each container gets the secrets its service uses (core/launch.py), no other."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    held = {name: set(service.get("environment", {})) for name, service in services.items()}
+    assert held["generator-0"] == set(launch.GENERATOR.credentials)
+    assert held["trainer"] == set(launch.TRAINER.credentials) - {CRITIC_TOKEN_ENV}  # REINFORCE: no critic
+    assert held["rollout"] == set(launch.ROLLOUT_CREDENTIALS)
+    assert held["reward"] == set()
+    tokens = {services["generator-0"]["environment"][name] for name in (CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV)}
+    assert len(tokens) == 2, "the default control and weights tokens must differ"
 
 
 @needs_compose

@@ -24,9 +24,9 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 from reinforce.core.critic_api import Minibatch
 from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.models import load_policy, materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV
+from reinforce.core.names import CRITIC_TOKEN_ENV
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
-from reinforce.critic.server import Critic, CriticConfig, create_app, list_checkpoints, main
+from reinforce.critic.server import SET_ASIDE, Critic, CriticConfig, create_app, list_checkpoints, main
 from reinforce.critic.value_model import load_value_model, response_values
 
 TOKEN = "critic-test-token"
@@ -319,7 +319,7 @@ def test_client_rides_out_a_killed_and_restarted_critic(tmp_path: Path) -> None:
     spec = write_run_spec(tmp_path, {"lr": 1e-2, "max_grad_norm": 0.5, "value_clip": 0.3})
     argv = [sys.executable, "-m", "reinforce.critic", "--spec", str(spec), "--port", str(port)]
     argv += ["--metrics-port", str(metrics_port)]
-    env = {**os.environ, CONTROL_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, CRITIC_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"}
     started: list[subprocess.Popen[bytes]] = []
 
     def start() -> subprocess.Popen[bytes]:
@@ -380,11 +380,15 @@ def test_config_from_the_run_spec(tmp_path: Path) -> None:
     assert config.checkpoints == tmp_path / "run" / "critic_checkpoints"
     assert (config.critic.lr, config.critic.weight_decay, config.port) == (1e-3, 0.1, 1234)
     assert config.keep_checkpoints == spec.training.keep_checkpoints
+    # what the run's trainer sends at most: a step's samples, every PPO epoch of them, in one train request
+    assert config.max_rows == spec.training.prompts_per_step * spec.algorithm.num_rollouts_per_prompt
+    assert config.max_row_tokens == spec.data.max_prompt_tokens + spec.generation.max_new_tokens
+    assert config.trainer_checkpoints == tmp_path / "run" / "checkpoints"
 
 
 def test_command_line_needs_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(CONTROL_TOKEN_ENV, raising=False)
-    with pytest.raises(SystemExit, match=CONTROL_TOKEN_ENV):
+    monkeypatch.delenv(CRITIC_TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit, match=CRITIC_TOKEN_ENV):
         main(["--spec", str(write_run_spec(tmp_path, {}))])
 
 
@@ -396,3 +400,60 @@ def test_restore_of_step_zero_without_a_checkpoint_is_the_fresh_critic(config: C
         assert client.restore(0).train_steps == 0
         assert client.values(PROMPTS, RESPONSES) == [[0.0] * 3, [], [0.0] * 5]
     assert list_checkpoints(config.checkpoints) == []
+
+
+def test_restore_moves_newer_checkpoints_aside_and_deletes_nothing(config: CriticConfig) -> None:
+    """Issue #30, R3-7: `/v1/restore {"step": 0}` deleted every critic checkpoint; now they are moved aside, whole."""
+    with serving(Critic(replace(config, keep_checkpoints=3))) as client:
+        for step in (1, 2):
+            client.train([minibatch(PROMPTS, RESPONSES, float(step), [[0.0] * len(r) for r in RESPONSES])])
+            client.checkpoint(step)
+        assert client.restore(0).train_steps == 0
+    assert list_checkpoints(config.checkpoints) == []
+    aside = sorted((config.checkpoints / SET_ASIDE).iterdir())
+    assert [p.name.rsplit("-", 1)[0] for p in aside] == ["step-000001", "step-000002"]
+    for folder in aside:  # each one complete: it could be moved back and resumed from
+        assert {f.name for f in folder.iterdir()} == {
+            "model.safetensors",
+            "optimizer.pt",
+            "rng.pt",
+            "critic_state.json",
+        }
+
+
+def test_restore_behind_the_trainers_newest_checkpoint_is_refused(config: CriticConfig, tmp_path: Path) -> None:
+    """Issue #30, R3-7: a trainer resumes from its newest checkpoint; a restore to an earlier step would leave the
+    critic behind it, so it is refused (409) and changes nothing."""
+    trainer = tmp_path / "trainer-checkpoints"
+    (trainer / "step-000002").mkdir(parents=True)
+    (trainer / ".tmp-step-000004").mkdir()  # an unfinished one does not count
+    with serving(Critic(replace(config, keep_checkpoints=3, trainer_checkpoints=trainer))) as client:
+        for step in (2, 4):
+            client.checkpoint(step)
+        for behind in (0, 1):
+            with pytest.raises(CriticError, match=r"409.*behind the trainer's newest checkpoint.*step-000002"):
+                client.restore(behind)
+        assert [s for s, _ in list_checkpoints(config.checkpoints)] == [2, 4]
+        assert client.restore(2).step == 2  # where the trainer resumes: allowed, and step 4 goes aside
+    assert [s for s, _ in list_checkpoints(config.checkpoints)] == [2]
+
+
+def test_requests_past_the_caps_are_413_naming_the_cap(config: CriticConfig) -> None:
+    """Issue #30, R3-12: one request of 1.5M one-token rows held the model lock for minutes; rows and tokens per row
+    are capped at what the run's trainer sends, refused before the lock is taken."""
+    critic = Critic(replace(config, max_rows=3, max_row_tokens=9))
+    zeros = [[0.0] * len(r) for r in RESPONSES]
+    with serving(critic) as client:
+        assert len(client.values(PROMPTS, RESPONSES)) == 3  # 3 rows of at most 4 + 5 tokens: within the caps
+        with pytest.raises(CriticError, match=r"413.*4 rows, more than the cap of 3 per request \(training"):
+            client.values([*PROMPTS, [1]], [*RESPONSES, [2]])
+        with pytest.raises(CriticError, match=r"413.*row 0 has 10 tokens, more than the cap of 9 per row \(data"):
+            client.values([[1] * 5], [[2] * 5])
+        with pytest.raises(CriticError, match=r"413.*6 rows"):  # a train request's minibatches count together
+            client.train([minibatch(PROMPTS, RESPONSES, 1.0, zeros)] * 2)
+        with critic.lock:  # held: a refusal must not wait for it
+            start = time.monotonic()
+            with pytest.raises(CriticError, match="413"):
+                client.values([[1]] * 100_000, [[2]] * 100_000)
+            assert time.monotonic() - start < 30
+        assert client.wait_ready(deadline_s=5).train_steps == 0

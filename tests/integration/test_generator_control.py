@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from transformers import PreTrainedModel
 
 from reinforce.core.models import load_policy, materialize_policy
+from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, WeightVersion
 from reinforce.core.reward_client import RewardFunctionError
 from reinforce.core.rollout import WeightReconciler
@@ -318,7 +319,10 @@ def test_garbage_in_the_published_weights_key_is_waited_out_like_an_outage(
     http: TestClient, gen: Generator, spec: RunSpec
 ) -> None:
     """Issue #30, R3-6: undecodable bytes in the run's weights key neither kill the generator nor lose its
-    prompts; a weight request is refused (409) naming the key, each read is counted, and the next publish heals it."""
+    prompts; a weight request is refused (409) naming the key, each read is counted, and the trainer, waiting for
+    groups, puts its record back."""
+    trainer_queue = RolloutQueue(gen.queue.client, gen.spec.name)
+    trainer_queue.publish_weights(publish(gen.engine.model, RunPaths(spec.resolved_run_dir()).weights, 0))
     gen.queue.client.set(gen.queue.weights_key, GARBAGE)
     entries = [("1-0", Prompt(id="1-0", step=0, policy_version=0, token_ids=[1]))]
     assert gen.split_by_version(entries) == ([], entries)  # held, not sampled and not acknowledged as stale
@@ -327,7 +331,7 @@ def test_garbage_in_the_published_weights_key_is_waited_out_like_an_outage(
     assert reply.status_code == 409 and gen.queue.weights_key in reply.json()["error"], reply.text
     metrics = generate_latest(gen.metrics.registry).decode()
     assert "reinforce_generator_unreadable_weight_records_total 2.0" in metrics
-    post(http, publish_in_run(gen, perturbed_policy(spec, seed=4), version=0))  # the trainer publishes again
+    assert trainer_queue.restore_published_weights() and not trainer_queue.restore_published_weights()
     assert gen.split_by_version(entries) == (entries, [])
 
 

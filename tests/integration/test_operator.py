@@ -38,7 +38,14 @@ from generate import crd, operator_manifest
 from generate.operator_manifest import OPERATOR_NAME, OPERATOR_NAMESPACE, OPERATOR_RULES
 from reinforce.core import launch
 from reinforce.core.metrics import TrainerMetrics
-from reinforce.core.names import COMPONENT_CRITIC, CONTROL_TOKEN_ENV, K8S_COMPONENT_LABEL
+from reinforce.core.names import (
+    COMPONENT_CRITIC,
+    CONTROL_TOKEN_ENV,
+    CRITIC_TOKEN_ENV,
+    K8S_COMPONENT_LABEL,
+    REDIS_URL_ENV,
+    WEIGHTS_TOKEN_ENV,
+)
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.records_pb2 import WeightVersion
 from reinforce.core.run_dir import RunPaths
@@ -196,7 +203,7 @@ def test_a_ppo_run_has_a_critic_and_its_trainer_calls_it() -> None:
     )
     assert container["resources"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
     assert container["readinessProbe"]["httpGet"] == {"path": launch.CRITIC.ready_path, "port": 5556}
-    assert CONTROL_TOKEN_ENV in {e["name"] for e in container["env"]}
+    assert CRITIC_TOKEN_ENV in {e["name"] for e in container["env"]}
     assert {v["name"]: v.get("persistentVolumeClaim") for v in pod["volumes"]}["data"] == {
         "claimName": "tiny-critic-data"
     }
@@ -210,6 +217,43 @@ def test_a_ppo_run_has_a_critic_and_its_trainer_calls_it() -> None:
     # and the run is not Running until its critic is ready
     everything = _pods(redis=(1, 1), reward=(1, 1), generator=(1, 1), trainer=(1, 1), critic=(1, 0))
     assert phase_of(spec, everything, 1, False, False)[:2] == ("Pending", "ComponentsNotReady")
+
+
+def _secret_env(container: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """A container's variables taken from Secrets: name -> (Secret, key)."""
+    refs = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in container.get("env", [])}
+    return {name: (ref["name"], ref["key"]) for name, ref in refs.items() if ref}
+
+
+@pytest.mark.parametrize("profile", ["standard", "host-network"])
+def test_each_pod_holds_only_its_services_credentials(profile: str) -> None:
+    """Issue #30, R3-7: one control token opened the generators, the weight endpoint and the critic, and every pod
+    held it. Now: a token per capability; the critic's only in the critic and the trainer, none in the reward server."""
+    spec = ReinforceRunSpec.model_validate({**example_run(**{"algorithm.name": "ppo"})["spec"], "name": "tiny"})
+    run = Run("tiny", "ns", "uid-1", spec, OperatorConfig(profile=profile))
+    objects = {o["metadata"]["name"].removeprefix("tiny-"): o for o in children(run) if "template" in o.get("spec", {})}
+    held = {name: _secret_env(o["spec"]["template"]["spec"]["containers"][0]) for name, o in objects.items()}
+    assert held["reward"] == {}
+    assert held["critic"] == {CRITIC_TOKEN_ENV: ("tiny-secrets", "critic-token")}
+    assert held["generator"] == {
+        REDIS_URL_ENV: ("tiny-secrets", "url"),
+        CONTROL_TOKEN_ENV: ("tiny-secrets", "control-token"),
+        WEIGHTS_TOKEN_ENV: ("tiny-secrets", "weights-token"),
+    }
+    assert held["trainer"] == {
+        REDIS_URL_ENV: ("tiny-secrets", "url"),
+        WEIGHTS_TOKEN_ENV: ("tiny-secrets", "weights-token"),
+        CRITIC_TOKEN_ENV: ("tiny-secrets", "critic-token"),
+    }
+    assert set(held["redis"]) == {"REDIS_PASSWORD"}
+    tokens = secrets_secret(run)["stringData"]
+    assert len({tokens["control-token"], tokens["weights-token"], tokens["critic-token"]}) == 3
+    # a REINFORCE run has no critic token at all
+    plain = Run("tiny", "ns", "uid-1", ReinforceRunSpec.model_validate({**example_run()["spec"], "name": "tiny"}),
+                OperatorConfig(profile=profile))  # fmt: skip
+    assert "critic-token" not in secrets_secret(plain)["stringData"]
+    trainer = next(o for o in children(plain) if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "tiny-trainer")
+    assert CRITIC_TOKEN_ENV not in _secret_env(trainer["spec"]["template"]["spec"]["containers"][0])
 
 
 def test_host_network_profile_reaches_everything_on_the_node() -> None:

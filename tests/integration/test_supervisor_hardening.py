@@ -9,14 +9,19 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
+import redis
+from runs import assert_each_step_trained_once, reinforce, start, wait_for_step, write_spec
 
+from reinforce.core.metrics import read_metrics
+from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, REDIS_URL_ENV, WEIGHTS_TOKEN_ENV
+from reinforce.core.queue import RolloutQueue
 from reinforce.core.run_dir import RunPaths
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 from reinforce.supervisor.main import PROMETHEUS_TARGETS
 from reinforce.trainer.checkpoint import list_checkpoints
-from runs import assert_each_step_trained_once, reinforce, start, wait_for_step, write_spec
 
 pytestmark = pytest.mark.slow
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # gRPC binds IPv4 loopback as mapped IPv6
@@ -131,3 +136,76 @@ def test_a_full_disk_ends_the_run_with_one_error_line_and_no_partial_files(tmp_p
     assert result.stderr.splitlines()[-1].startswith("error: the disk is full: [Errno 28] No space left on device")
     assert "Traceback" not in result.stderr
     assert not any(path.exists() for path in partial)
+
+
+CREDENTIALS = (REDIS_URL_ENV, CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN_ENV)
+
+
+def held_credentials(process: psutil.Process) -> dict[str, str]:
+    return {name: value for name, value in process.environ().items() if name in CREDENTIALS}
+
+
+def service_of(process: psutil.Process) -> str:
+    """`reinforce.generator` and the like for the run's Python services; the program's name for anything else."""
+    argv = process.cmdline()
+    return argv[argv.index("-m") + 1] if "-m" in argv else process.name()
+
+
+def flag(process: psutil.Process, name: str) -> str:
+    argv = process.cmdline()
+    return argv[argv.index(name) + 1]
+
+
+def test_each_service_holds_only_its_credentials_and_garbage_in_the_weights_key_is_ridden_out(tmp_path: Path) -> None:
+    """Issue #30 on a live PPO run with weights over HTTP. R3-7: one control token opened the generators, the weight
+    endpoint and the critic, and every process held it (a generator's could make the critic delete its checkpoints).
+    R3-6: undecodable bytes in the run's weights key killed the generators and the supervisor."""
+    spec = write_spec(
+        tmp_path, "tiny-ppo", training={"steps": 200, "checkpoint_every": 100}, weights={"transport": "http"}
+    )
+    proc = start("run", str(spec))
+    run_dir = tmp_path / "run"
+    try:
+        wait_for_step(proc, run_dir, 1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        held = {p.pid: held_credentials(p) for p in children}
+        by_service = {service_of(p): p for p in children}
+        expected = {
+            "reinforce.generator": {REDIS_URL_ENV, CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV},
+            "reinforce.trainer": {REDIS_URL_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN_ENV},
+            "reinforce.critic": {CRITIC_TOKEN_ENV},
+        }
+        assert set(expected) <= set(by_service) and {"redis-server", "tritonserver"} <= set(by_service), by_service
+        for p in children:  # the reward server (Triton, its Python backend) and Redis hold none
+            assert set(held[p.pid]) == expected.get(service_of(p), set()), service_of(p)
+        generator, trainer, critic = (by_service[f"reinforce.{name}"] for name in ("generator", "trainer", "critic"))
+        tokens = {name: held[generator.pid].get(name) or held[trainer.pid][name] for name in CREDENTIALS[1:]}
+        assert len(set(tokens.values())) == 3, "one token per capability"
+
+        # the tokens a generator holds open neither the critic nor anything but their own door
+        restore = f"http://127.0.0.1:{flag(critic, '--port')}/v1/restore"
+        weights = f"http://127.0.0.1:{flag(trainer, '--weights-port')}/v1/weights/v000000.safetensors"
+        for token in (tokens[CONTROL_TOKEN_ENV], tokens[WEIGHTS_TOKEN_ENV]):
+            answer = httpx.post(restore, json={"step": 0}, headers={"Authorization": f"Bearer {token}"})
+            assert answer.status_code == 401, answer.text
+        assert httpx.head(weights, headers={"Authorization": f"Bearer {tokens[CONTROL_TOKEN_ENV]}"}).status_code == 401
+        assert httpx.head(weights, headers={"Authorization": f"Bearer {tokens[WEIGHTS_TOKEN_ENV]}"}).status_code != 401
+
+        # R3-6: garbage in the weights key; the trainer puts its record back while it waits, and the run goes on
+        client = redis.Redis.from_url(held[generator.pid][REDIS_URL_ENV])
+        client.set("reinforce:tiny-ppo:weights", b"\xff\xff\xff\xff not a record")
+        step = read_metrics(RunPaths(run_dir).metrics)[-1]["step"]
+        wait_for_step(proc, run_dir, step + 2, timeout_s=120)
+        alive = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert alive == {p.pid for p in children}, "a component restarted"
+        assert RolloutQueue(client, "tiny-ppo").latest_weights() is not None
+        client.close()
+
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 130, stderr[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in psutil.Process().children(recursive=True):  # only what this test started
+            child.kill()

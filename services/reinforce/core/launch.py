@@ -19,6 +19,9 @@ class Service:
     module: str  # python -m MODULE
     ready_path: str | None  # HTTP readiness probe on the port named by `probe_port_flag` (None: a TCP probe)
     probe_port_flag: str
+    # The environment variables of secrets it may hold, and no others: a service that is taken over (a reward
+    # function's dependency, a generator's engine) gives away only these.
+    credentials: tuple[str, ...] = ()
 
     def command(self, python: str, spec_file: str, **flags: object) -> list[str]:
         """`python -m MODULE --spec SPEC --flag value ...`: flag_name becomes --flag-name; True is a bare flag."""
@@ -30,10 +33,18 @@ class Service:
 
 
 REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
-GENERATOR = Service("reinforce.generator", names.READY_PATH, probe_port_flag="port")
-TRAINER = Service("reinforce.trainer", None, probe_port_flag="metrics_port")
-CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port")
+GENERATOR = Service(
+    "reinforce.generator", names.READY_PATH, probe_port_flag="port",
+    credentials=(names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV, names.WEIGHTS_TOKEN_ENV),
+)  # fmt: skip
+TRAINER = Service(
+    "reinforce.trainer", None, probe_port_flag="metrics_port",
+    credentials=(names.REDIS_URL_ENV, names.WEIGHTS_TOKEN_ENV, names.CRITIC_TOKEN_ENV),
+)  # fmt: skip
+CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port", credentials=(names.CRITIC_TOKEN_ENV,))
 ENVIRONMENT = Service("reinforce.environment", names.READY_PATH, probe_port_flag="port")
+# `reinforce rollout` (the weight reconciler of docker compose; the supervisor and the operator run it in-process)
+ROLLOUT_CREDENTIALS = (names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV)
 
 
 def redis_shell_command(port: int, data_dir: str, config_dir: str, password_env: str) -> str:

@@ -8,7 +8,12 @@ operator's selectors match).
 
 # --- environment variables (secrets travel in the environment, never on a command line) ---------------------
 REDIS_URL_ENV = "REINFORCE_REDIS_URL"
+# One credential per capability (launch.py says which service holds which). The generators' control plane: they
+# check it, the weight reconciler sends it. The trainer's weight endpoint: it checks it, generators send it. The
+# critic's API: it checks it, the trainer alone sends it.
 CONTROL_TOKEN_ENV = "REINFORCE_CONTROL_TOKEN"
+WEIGHTS_TOKEN_ENV = "REINFORCE_WEIGHTS_TOKEN"
+CRITIC_TOKEN_ENV = "REINFORCE_CRITIC_TOKEN"
 OPERATOR_CONFIG_ENV = "REINFORCE_OPERATOR_CONFIG"  # path of the operator's configuration file
 POD_NAME_ENV = "POD_NAME"  # the pod's own name, from the downward API (a StatefulSet ordinal ends it)
 

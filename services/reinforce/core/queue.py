@@ -152,6 +152,7 @@ class RolloutQueue:
         self.deadletter_key = self.prefix + "deadletter"
         self.validation_key = self.prefix + "validation"
         self._socket_timeout: float | None = kwargs.get("socket_timeout")
+        self._published: bytes | None = None  # the record publish_weights wrote last
         self.max_record_bytes = max_record_bytes
 
     # --- setup and teardown -------------------------------------------------------------------------
@@ -255,7 +256,19 @@ class RolloutQueue:
 
     def publish_weights(self, weights: WeightVersion) -> None:
         """Make ``weights`` the latest version (last writer wins: the trainer is the only writer)."""
-        self.client.set(self.weights_key, weights.SerializeToString())
+        record = weights.SerializeToString()
+        self.client.set(self.weights_key, record)
+        self._published = record
+
+    def restore_published_weights(self) -> bool:
+        """Put back what this queue published last if the key holds anything else (bytes that do not decode, another
+        record); True if it did. The trainer calls it while it waits for groups: generators hold their prompts while
+        the record is unreadable, and only its writer can end that wait."""
+        if self._published is None or self.client.get(self.weights_key) == self._published:
+            return False
+        self.client.set(self.weights_key, self._published)
+        log.warning("%s held something other than the published weight version: published again", self.weights_key)
+        return True
 
     def latest_weights(self) -> WeightVersion | None:
         """The published version, None before the first; UnreadableRecord if the key holds bytes that do not decode

@@ -1,7 +1,7 @@
 """The PPO critic as a service: values for the trainer's GAE, and the critic's own updates, in one process.
 
     python -m reinforce.critic --spec RUN_DIR/spec.yaml [--port N] [--host H] [--device D] [--metrics-port N]
-        (the control token comes from $REINFORCE_CONTROL_TOKEN)
+        (the critic's bearer token comes from $REINFORCE_CRITIC_TOKEN, which only the trainer also holds)
 
 The run spec's `critic` section says how the value model starts (from the initial policy or a reward model) and
 trains (AdamW, value clipping, micro-batches); its checkpoints go to RUN_DIR/critic_checkpoints.
@@ -11,17 +11,19 @@ save as three PyTriton "models". FastAPI rather than Triton here: training and c
 They are ordered, stateful commands on one model and one optimizer that must never be batched together or run
 beside a forward pass; a Triton Python-backend model serves stateless infer requests well but has no clean place
 for an optimizer, its state, a lock ordering train against infer, or an atomic checkpoint and resume. Every other
-control plane of this pipeline is FastAPI too (same bearer token, probes and Prometheus endpoint).
+control plane of this pipeline is FastAPI too (a bearer token, probes and Prometheus endpoint).
 
-Endpoints (JSON bodies, see api.py; /v1/* need `Authorization: Bearer <token>`, checked before the body is read,
-and bodies are capped at critic.max_request_mb):
+Endpoints (JSON bodies, see api.py; /v1/* need `Authorization: Bearer <token>`, checked before the body is read;
+bodies are capped at critic.max_request_mb, and values and train requests at the rows and tokens per row the run's
+trainer sends (413, naming the cap)):
     POST /v1/values      prompt and response token ids -> V(s_t) for every response token, the state before it is
                          emitted (the positions of response_logprobs)
     POST /v1/train       minibatches of token ids, returns and old values -> one AdamW step per minibatch (value-
                          clipped loss of ppo.critic_loss, gradient clipping), the losses
     POST /v1/checkpoint  {step}: model, optimizer and RNG into critic_checkpoints/step-NNNNNN/, atomically
-    POST /v1/restore     {step}: load that checkpoint and delete newer ones (a trainer resuming from an earlier
-                         step than the critic's latest); step 0 without a checkpoint: the fresh critic
+    POST /v1/restore     {step}: load that checkpoint and move newer ones into critic_checkpoints/set-aside/ (a
+                         trainer resuming from an earlier step than the critic's latest); step 0 without a
+                         checkpoint: the fresh critic; 409 behind the trainer's newest checkpoint (where visible)
     GET  /healthz, /readyz, /metrics (Prometheus: reinforce_critic_*)
 On start the service loads the latest checkpoint in its folder, so a restarted critic continues exactly.
 One lock serialises everything that touches the model: a values request never sees half an optimizer step.
@@ -69,13 +71,26 @@ from reinforce.core.critic_api import (
 )
 from reinforce.core.metrics import CriticMetrics
 from reinforce.core.models import adamw, materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_PORT, HEALTH_PATH, METRICS_PATH, READY_PATH
+from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, HEALTH_PATH, METRICS_PATH, READY_PATH
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CriticSpec, RunSpec, load_spec
 from reinforce.core.threads import configure_threads
 from reinforce.critic.value_model import critic_loss, load_value_model, response_values
 
 log = logging.getLogger("reinforce.critic")
+# What each request cap is made of (CriticConfig.from_spec), named when a request is refused
+ROWS_CAP = "training.prompts_per_step x algorithm.num_rollouts_per_prompt x algorithm.ppo_epochs"
+ROW_TOKENS_CAP = "data.max_prompt_tokens + generation.max_new_tokens"
+
+
+class RequestTooLarge(ValueError):
+    """A request past the critic's caps (rows, tokens per row): answered 413."""
+
+
+class RestoreRefused(ValueError):
+    """A restore that would take the critic behind the trainer's newest checkpoint: answered 409."""
+
+
 Body = TypeVar("Body", bound=BaseModel)
 PATHS = (VALUES_PATH, TRAIN_PATH, CHECKPOINT_PATH, RESTORE_PATH, HEALTH_PATH, READY_PATH, METRICS_PATH)
 
@@ -92,15 +107,26 @@ class CriticConfig:
     port: int = CRITIC_PORT
     seed: int = 0  # torch's RNG at start (dropout, if the model has any); a resume restores the saved state
     device: str = "cpu"
+    # Request caps (None: none), refused with 413 before the model lock is taken: the run's trainer never sends more.
+    max_rows: int | None = None  # sequences in one request (a train request's minibatches together)
+    max_row_tokens: int | None = None  # prompt + response tokens of one sequence
+    # The trainer's checkpoints (the run folder's): /v1/restore refuses to go behind the newest. None, or a folder
+    # without checkpoints (the critic's pod on Kubernetes, whose volume is not the trainer's): not checked.
+    trainer_checkpoints: Path | None = None
 
     @classmethod
     def from_spec(
         cls, spec: RunSpec, port: int = CRITIC_PORT, host: str = "127.0.0.1", device: str = "cpu"
     ) -> CriticConfig:
         paths = RunPaths(spec.resolved_run_dir())
-        c = spec.critic
+        c, alg = spec.critic, spec.algorithm
         model = paths.initial_policy if c.init == "policy" else Path(str(c.reward_model_path))
-        return cls(model, paths.critic_checkpoints, c, spec.training.keep_checkpoints, host, port, spec.seed, device)
+        return cls(
+            model, paths.critic_checkpoints, c, spec.training.keep_checkpoints, host, port, spec.seed, device,
+            max_rows=spec.training.prompts_per_step * alg.num_rollouts_per_prompt * alg.ppo_epochs,
+            max_row_tokens=spec.data.max_prompt_tokens + spec.generation.max_new_tokens,
+            trainer_checkpoints=paths.checkpoints,
+        )  # fmt: skip
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------
@@ -110,6 +136,7 @@ class CriticConfig:
 #     rng.pt              torch RNG state(s)
 #     critic_state.json   {"step": ..., "train_steps": ...}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+SET_ASIDE = "set-aside"  # checkpoints a restore went back past, kept for the user to inspect or delete
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -161,6 +188,14 @@ def save_checkpoint(
     return final
 
 
+def set_aside(checkpoint: Path) -> Path:
+    """Move a checkpoint folder into `set-aside/` beside it, under a name no other move can take; the new path."""
+    target = checkpoint.parent / SET_ASIDE / f"{checkpoint.name}-{time.time_ns()}"
+    target.parent.mkdir(exist_ok=True)
+    os.replace(checkpoint, target)
+    return target
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Restore model, optimizer and RNG exactly; returns critic_state.json."""
     load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
@@ -209,6 +244,25 @@ class Critic:
         self.checkpoint_step: int | None = None
         self.metrics.train_steps.set(0)
 
+    def _check_caps(self, requests: list[ValuesRequest]) -> None:
+        """Refuse (RequestTooLarge) what the run's trainer never sends, before the lock: one request of 1.5M one-token
+        rows held it for minutes."""
+        c = self.config
+        rows = sum(len(r.prompt_token_ids) for r in requests)
+        if c.max_rows is not None and rows > c.max_rows:
+            raise RequestTooLarge(f"{rows} rows, more than the cap of {c.max_rows} per request ({ROWS_CAP})")
+        if c.max_row_tokens is None:
+            return
+        for request in requests:
+            for i, (prompt, response) in enumerate(
+                zip(request.prompt_token_ids, request.response_token_ids, strict=True)
+            ):
+                if len(prompt) + len(response) > c.max_row_tokens:
+                    raise RequestTooLarge(
+                        f"row {i} has {len(prompt) + len(response)} tokens, more than the cap of {c.max_row_tokens} "
+                        f"per row ({ROW_TOKENS_CAP})"
+                    )
+
     def _check_ids(self, request: ValuesRequest) -> None:
         # an id past the embedding table would fail deep inside the forward pass (a 500); say which row instead
         for name in ("prompt_token_ids", "response_token_ids"):
@@ -217,6 +271,7 @@ class Critic:
                     raise ValueError(f"{name}[{i}] holds id {max(row)}, past the vocabulary ({self.vocab_size})")
 
     def values(self, request: ValuesRequest) -> ValuesResponse:
+        self._check_caps([request])
         self._check_ids(request)
         prompts, responses = request.prompt_token_ids, request.response_token_ids
         out: list[list[float]] = []
@@ -227,6 +282,7 @@ class Critic:
         return ValuesResponse(values=out)
 
     def train(self, request: TrainRequest) -> TrainResponse:
+        self._check_caps(list(request.minibatches))
         for minibatch in request.minibatches:
             self._check_ids(minibatch)
         results: list[MinibatchResult] = []
@@ -292,22 +348,34 @@ class Critic:
         return CheckpointResponse(step=step, path=str(path), train_steps=self.train_steps)
 
     def restore(self, step: int) -> CheckpointResponse:
-        """Load checkpoint `step` and delete newer ones: they belong to a history the trainer has abandoned, and
-        a later restart must not resume from them. Step 0 without a checkpoint is the fresh critic (a trainer that
-        starts over before its first checkpoint)."""
+        """Load checkpoint `step` and move newer ones aside (never deleted): they belong to a history the trainer
+        has abandoned, and a later restart must not resume from them. Step 0 without a checkpoint is the fresh critic
+        (a trainer that starts over before its first checkpoint). Refused (RestoreRefused) when `step` is behind the
+        trainer's newest checkpoint, which is where the trainer resumes from."""
+        self._check_not_behind_trainer(step)
+        root = self.config.checkpoints
         with self.lock:
-            path = checkpoint_dir(self.config.checkpoints, step)
+            path = checkpoint_dir(root, step)
             if path.is_dir():
                 self._load(step, path)
             elif step == 0:
                 self._initialise()
             else:
-                raise FileNotFoundError(f"no critic checkpoint for step {step} in {self.config.checkpoints}")
-            for newer_step, newer in list_checkpoints(self.config.checkpoints):
+                raise FileNotFoundError(f"no critic checkpoint for step {step} in {root}")
+            for newer_step, newer in list_checkpoints(root):
                 if newer_step > step:
-                    shutil.rmtree(newer, ignore_errors=True)
+                    log.warning("restored step %d: checkpoint %s moved aside to %s", step, newer, set_aside(newer))
         log.info("restored step %d", step)
         return CheckpointResponse(step=step, path=str(path), train_steps=self.train_steps)
+
+    def _check_not_behind_trainer(self, step: int) -> None:
+        folder = self.config.trainer_checkpoints
+        trainer = list_checkpoints(folder) if folder is not None else []
+        if trainer and step < trainer[-1][0]:
+            raise RestoreRefused(
+                f"step {step} is behind the trainer's newest checkpoint ({trainer[-1][1]}), where a resumed trainer "
+                "starts: the critic stays where it is"
+            )
 
     def _load(self, step: int, path: Path) -> None:
         state = load_checkpoint(path, self.model, self.optimizer)
@@ -325,6 +393,10 @@ async def _call(fn: Callable[[Body], BaseModel], body: Body) -> dict:
     """Run a model-touching call off the event loop (probes stay answerable during a long train request)."""
     try:
         return (await run_in_threadpool(fn, body)).model_dump()
+    except RequestTooLarge as err:
+        raise HTTPException(status_code=413, detail=str(err)) from None
+    except RestoreRefused as err:
+        raise HTTPException(status_code=409, detail=str(err)) from None
     except ValueError as err:
         raise HTTPException(status_code=422, detail=str(err)) from None
     except FileNotFoundError as err:
@@ -398,9 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device of the value model (cpu, cuda, ...).")
     args = parser.parse_args(argv)
-    token = os.environ.get(CONTROL_TOKEN_ENV)
+    token = os.environ.get(CRITIC_TOKEN_ENV)
     if not token:
-        raise SystemExit(f"${CONTROL_TOKEN_ENV} must hold the critic's bearer token")
+        raise SystemExit(f"${CRITIC_TOKEN_ENV} must hold the critic's bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s critic %(levelname)s %(message)s")
     configure_threads()
     spec = load_spec(args.spec)

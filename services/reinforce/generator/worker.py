@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_s
 from reinforce.core.bearer import bearer_dependency, read_capped
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
+from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
@@ -79,12 +79,12 @@ class Generator:
         redis_url: str,
         reward_url: str,
         name: str,
-        token: str = "",
+        weights_token: str = "",
         weights_url: str | None = None,
     ) -> None:
         self.spec = spec
         self.name = name
-        self.token = token  # also the trainer's weight endpoint's (weights.transport http)
+        self.weights_token = weights_token  # the trainer's weight endpoint's (weights.transport http)
         paths = RunPaths(spec.resolved_run_dir())
         # Weights come from the run's folder or its trainer's endpoint, nowhere else (the token goes only there).
         self.sources = WeightSources(paths.weights, weights_url)
@@ -145,7 +145,7 @@ class Generator:
         start = time.perf_counter()
         try:
             stats = load_verified(
-                self.engine.load_weights, desired, self.sources, cache_dir=self.weight_cache, token=self.token
+                self.engine.load_weights, desired, self.sources, cache_dir=self.weight_cache, token=self.weights_token
             )
         except WeightError as err:
             log.error("refusing weights: %s", err)
@@ -379,10 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get(CONTROL_TOKEN_ENV)
     if not token:
         parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
+    weights_token = os.environ.get(WEIGHTS_TOKEN_ENV, "")  # sent to --weights-url only
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
     configure_threads()
-    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, token, args.weights_url)
+    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url)
     config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()

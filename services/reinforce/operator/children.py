@@ -3,7 +3,8 @@
 For a run R in namespace N:
 
 - ConfigMap ``R-spec``: the run spec the services read (``/etc/reinforce/spec.yaml``).
-- Secret ``R-secrets``: the generators' control token and, with the run's own Redis, its password and URL.
+- Secret ``R-secrets``: one token per capability (the generators' control plane, the trainer's weight endpoint and,
+  ppo, the critic; each pod gets only its service's) and, with the run's own Redis, its password and URL.
 - PersistentVolumeClaim ``R-data``: the run folder of the trainer (checkpoints, weights, final model).
 - StatefulSet + Service ``R-redis`` (AOF on a volume), unless ``kubernetes.externalRedisSecret`` names one.
 - Deployment + Service ``R-reward``: the Triton reward server.
@@ -45,6 +46,7 @@ from reinforce.core.names import (
     COMPONENTS,
     CONTROL_TOKEN_ENV,
     CRITIC_PORT,
+    CRITIC_TOKEN_ENV,
     HEALTH_PATH,
     K8S_COMPONENT_LABEL,
     K8S_INSTANCE_LABEL,
@@ -53,6 +55,7 @@ from reinforce.core.names import (
     POD_NAME_ENV,
     REDIS_URL_ENV,
     REWARD_LIVE_PATH,
+    WEIGHTS_TOKEN_ENV,
 )
 from reinforce.core.spec import TrainingSpec, _Section, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT
@@ -74,6 +77,8 @@ DATA_DIR = "/data"
 RUN_DIR = f"{DATA_DIR}/run"
 SPEC_FILE = f"{SPEC_DIR}/spec.yaml"
 REDIS_URL_KEY = "url"  # the key of the Secret holding a redis:// URL (the run's own or an external one)
+# The keys of Secret R-secrets holding each token, by the environment variable services read it from
+SECRET_KEYS = {CONTROL_TOKEN_ENV: "control-token", WEIGHTS_TOKEN_ENV: "weights-token", CRITIC_TOKEN_ENV: "critic-token"}
 REDIS_CONFIG_DIR = "/run/redis"  # an in-memory emptyDir: the config file holding Redis' password
 # The images' user (services/reinforce/core/Dockerfile); also the group that owns the volumes (fsGroup).
 RUN_AS_USER = 1000
@@ -264,8 +269,11 @@ def spec_config_map(run: Run) -> dict[str, Any]:
 
 
 def secrets_secret(run: Run) -> dict[str, Any]:
-    """Fresh random values: the operator creates this once and never replaces it (see CREATE_ONLY)."""
-    values = {"control-token": secrets.token_urlsafe(24)}
+    """Fresh random values: the operator creates this once and never replaces it (see CREATE_ONLY). One token per
+    capability (SECRET_KEYS); each pod's environment takes only its service's (launch.Service.credentials)."""
+    values = {
+        key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if name != CRITIC_TOKEN_ENV or run.ppo
+    }
     if run.spec.kubernetes.external_redis_secret is None:
         password = secrets.token_urlsafe(24)
         values["redis-password"] = password
@@ -322,10 +330,17 @@ def _env_from_secret(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def _service_env(run: Run) -> list[dict[str, Any]]:
+def _service_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
+    """The service's credentials from the run's Secrets, and nothing else secret, then the plain settings."""
+    credentials = [
+        _env_from_secret(name, run.redis_secret, REDIS_URL_KEY)
+        if name == REDIS_URL_ENV
+        else _env_from_secret(name, run.child("secrets"), SECRET_KEYS[name])
+        for name in service.credentials
+        if name != CRITIC_TOKEN_ENV or run.ppo
+    ]
     return [
-        _env_from_secret(REDIS_URL_ENV, run.redis_secret, REDIS_URL_KEY),
-        _env_from_secret(CONTROL_TOKEN_ENV, run.child("secrets"), "control-token"),
+        *credentials,
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *({"name": name, "value": value} for name, value in OPENMP_ENVIRONMENT.items()),
@@ -454,7 +469,7 @@ def generator_deployment(run: Run) -> dict[str, Any]:
         )  # fmt: skip
         container = _container(
             run, "generator", command, {"control": p.generator, "metrics": p.generator_metrics},
-            env=_service_env(run),
+            env=_service_env(run, launch.GENERATOR),
             volumeMounts=mounts,
             readinessProbe=_http_probe(launch.GENERATOR.ready_path, p.generator),
             livenessProbe={**_http_probe(HEALTH_PATH, p.generator, 10), "initialDelaySeconds": 60},
@@ -473,7 +488,7 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     }
     container = _container(
         run, "generator", ["sh", "-c", "exec " + " ".join(generator)], {},
-        env=_service_env(run),
+        env=_service_env(run, launch.GENERATOR),
         volumeMounts=mounts,
         readinessProbe=probe,
     )  # fmt: skip
@@ -565,7 +580,7 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
     ports = {"metrics": p.trainer_metrics, "weights": p.trainer_weights, "rendezvous": p.rendezvous}
     container = _container(
         run, "trainer", trainer_command(run), ports,
-        env=_service_env(run),
+        env=_service_env(run, launch.TRAINER),
         volumeMounts=[mount, {"name": "data", "mountPath": DATA_DIR}],
         readinessProbe={"tcpSocket": {"port": p.trainer_metrics}, "periodSeconds": 5},
     )  # fmt: skip
@@ -639,7 +654,7 @@ def critic_stateful_set(run: Run) -> dict[str, Any]:
     volume, mount = _spec_volume(run)
     container = _container(
         run, COMPONENT_CRITIC, command, {"http": port, "metrics": metrics_port},
-        env=_service_env(run),
+        env=_service_env(run, launch.CRITIC),
         volumeMounts=[mount, {"name": "data", "mountPath": DATA_DIR}],
         readinessProbe=_http_probe(launch.CRITIC.ready_path, port),
         livenessProbe={**_http_probe(HEALTH_PATH, port, 10), "initialDelaySeconds": 60},

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -43,9 +43,11 @@ from reinforce.core.names import (
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
     CONTROL_TOKEN_ENV,
+    CRITIC_TOKEN_ENV,
     ENVIRONMENT_TOKEN_ENV,
     LOCAL_HOST,
     REDIS_URL_ENV,
+    WEIGHTS_TOKEN_ENV,
 )
 from reinforce.core.optional import MissingPackage, require_engine
 from reinforce.core.queue import RolloutQueue, connect
@@ -61,6 +63,7 @@ from reinforce.trainer.checkpoint import ForeignCheckpoint, refuse_foreign_check
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
+CREDENTIALS = (REDIS_URL_ENV, CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN_ENV)
 # In the run folder: every component's metrics address, in Prometheus' file-service-discovery format.
 PROMETHEUS_TARGETS = "prometheus_targets.json"
 
@@ -85,9 +88,11 @@ class Component:
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of a scheduled restart
     started_at: float = 0.0  # monotonic time of the last (re)start
+    credentials: dict[str, str] = field(default_factory=dict)  # its secrets' environment variables, no one else's
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**env, **self.credentials}
         if self.threads is not None:
             env = {**env, THREADS_ENV: str(self.threads)}
         # O_APPEND: every write lands at the end, also after rotate_log truncated the file under the process
@@ -212,14 +217,25 @@ class Supervisor:
         self.paths = RunPaths(spec.resolved_run_dir())
         self.components: list[Component] = []
         self.env = {**OPENMP_ENVIRONMENT, **os.environ, "PYTHONUNBUFFERED": "1"}  # a user's own OMP settings win
+        # Secrets reach only the services that use them (launch.Service.credentials), never every child; one random
+        # token per capability, so a generator cannot drive the critic. The Redis URL is added once Redis runs.
+        for name in CREDENTIALS:
+            self.env.pop(name, None)
+        self.credentials = {name: secrets.token_urlsafe(24) for name in (CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV)}
+        if spec.algorithm.name == "ppo":
+            self.credentials[CRITIC_TOKEN_ENV] = secrets.token_urlsafe(24)
         self.scrape_targets: list[dict] = []
         # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
         self.weights_port = free_port() if spec.weights.transport == "http" else None
         self.threads = thread_shares(spec, thread_count())
         self.max_log_bytes = int(spec.logging.max_component_log_mb * 2**20)
 
-    def component(self, name: str, argv: list[str], threads: int | None = None) -> Component:
+    def component(
+        self, name: str, argv: list[str], threads: int | None = None, service: launch.Service | None = None
+    ) -> Component:
         c = Component(name, argv, self.paths.logs / f"{name}.log", threads)
+        if service is not None:
+            c.credentials = {k: v for k, v in self.credentials.items() if k in service.credentials}
         c.start(self.env)
         self.components.append(c)
         return c
@@ -265,7 +281,7 @@ class Supervisor:
         )
         c = self.component("redis", [shutil.which("redis-server") or "redis-server", str(config)])
         url = f"redis://:{password}@127.0.0.1:{port}/0"
-        self.env[REDIS_URL_ENV] = url
+        self.credentials[REDIS_URL_ENV] = url
         client = redis.Redis.from_url(url)
         self.wait_until(c, lambda: _redis_pings(client))
 
@@ -276,6 +292,7 @@ class Supervisor:
             "reward",
             self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics),
             self.threads.reward,
+            launch.REWARD,
         )
         url = f"http://127.0.0.1:{http}"
         self.wait_until(c, lambda: _http_ok(url + launch.REWARD.ready_path))
@@ -285,7 +302,8 @@ class Supervisor:
         """PPO's critic service; its port also serves its metrics."""
         port = free_port()
         self.add_scrape_target(COMPONENT_CRITIC, "critic", port)
-        c = self.component(COMPONENT_CRITIC, self.service_argv(launch.CRITIC, port=port), self.threads.critic)
+        argv = self.service_argv(launch.CRITIC, port=port)
+        c = self.component(COMPONENT_CRITIC, argv, self.threads.critic, launch.CRITIC)
         url = f"http://127.0.0.1:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
         return url
@@ -307,7 +325,7 @@ class Supervisor:
             self.add_scrape_target(COMPONENT_GENERATOR, name, port)
             weights = {"weights_url": launch.weights_url(LOCAL_HOST, self.weights_port)} if self.weights_port else {}
             argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
-            self.component(name, argv, self.threads.generator)
+            self.component(name, argv, self.threads.generator, launch.GENERATOR)
             urls[name] = f"http://127.0.0.1:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(url + launch.GENERATOR.ready_path))
@@ -323,18 +341,17 @@ class Supervisor:
         write_text_atomically(self.paths.root / PROMETHEUS_TARGETS, json.dumps(self.scrape_targets, indent=2) + "\n")
 
     def run(self) -> None:
-        self.env[CONTROL_TOKEN_ENV] = secrets.token_urlsafe(24)
         self.start_redis()
         reward_url = self.start_reward()
         critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
         # the generators' multi-turn rollouts (issue #24, item 3) will send their episodes here
         self.environment_url = self.start_environment() if self.spec.environment.enabled else None
         generator_urls = self.start_generators(reward_url)
-        trainer = self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer)
+        trainer = self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer, launch.TRAINER)
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
         # the supervisor's loop must not stall while it restarts Redis itself.
-        queue = RolloutQueue(connect(self.env[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
-        reconciler = WeightReconciler(queue, generator_urls, self.env[CONTROL_TOKEN_ENV])
+        queue = RolloutQueue(connect(self.credentials[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
+        reconciler = WeightReconciler(queue, generator_urls, self.credentials[CONTROL_TOKEN_ENV])
         try:
             self.watch(trainer, reconciler)
         finally:

@@ -90,6 +90,7 @@ class GroupCollector:
             if self.stopping.is_set():
                 raise SystemExit(0)
             wanted = share - len(groups)
+            self.queue.restore_published_weights()  # garbage in the weights key would hold every generator
             for entry_id, group in self.queue.read_rollouts(self.consumer, count=wanted, block_ms=1000):
                 self.sort_group(step, order, groups, entry_id, group)
         ordered = sorted(groups.values(), key=lambda e: order[e[1].prompt_id])

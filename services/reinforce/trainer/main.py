@@ -26,7 +26,7 @@ from reinforce.core.durable import write_text_atomically
 from reinforce.core.lora import LORA_FORMAT
 from reinforce.core.metrics import TrainerMetrics, read_metrics
 from reinforce.core.models import load_tokenizer, materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST
+from reinforce.core.names import LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths, ensure_run_id
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     ranks = Ranks.from_environment(spec.training.tensor_parallel * spec.training.pipeline_parallel)
     trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)
     if spec.weights.transport == "http" and ranks.is_main:
-        trainer.serve_weights(args.host, args.weights_port, args.advertise_host, os.environ.get(CONTROL_TOKEN_ENV))
+        trainer.serve_weights(args.host, args.weights_port, args.advertise_host, os.environ.get(WEIGHTS_TOKEN_ENV))
     if args.metrics_port and ranks.is_main:
         start_http_server(args.metrics_port, addr=args.host, registry=trainer.metrics.registry)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from reinforce.core.names import CONTROL_TOKEN_ENV
+from reinforce.core.names import CRITIC_TOKEN_ENV
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.base import Algorithm
 from reinforce.trainer.distributed import Ranks
@@ -23,6 +23,6 @@ def build_algorithm(spec: RunSpec, ranks: Ranks, critic_url: str | None = None) 
         if critic_url is None:
             raise ValueError("algorithm.name ppo needs the critic service's URL (--critic-url)")
         # one critic client: the main process (PPO trains one data-parallel rank; its tensor peers get the values)
-        client = CriticClient(critic_url, os.environ.get(CONTROL_TOKEN_ENV, "")) if ranks.is_main else None
+        client = CriticClient(critic_url, os.environ.get(CRITIC_TOKEN_ENV, "")) if ranks.is_main else None
         return PPO(spec, ranks, client)
     raise ValueError(f"algorithm.name {spec.algorithm.name!r} is not available")
