@@ -11,6 +11,16 @@ rewritten: ``$defs`` are inlined, ``X | None`` becomes ``nullable: true``, ``exc
 ``minimum: 0, exclusiveMinimum: true``, tuples become arrays with min/maxItems, and sections get
 ``default: {}`` so that the API server fills in their fields' defaults. Rules the schema cannot state
 (exactly one of ``policy.path`` and ``policy.random_init``, ...) are the operator's to check with the model.
+
+Each field whose name has two spellings is listed in both: camelCase, with its default, and its snake_case name
+without default or description, marked deprecated. A structural schema prunes unknown fields also from what it
+reads from etcd, so a run stored in the snake_case spelling of earlier releases would lose its values at the upgrade
+(and for good at its next write); listed, they are kept, and the operator reads them (README: upgrading).
+(``x-kubernetes-preserve-unknown-fields`` on the sections would keep them too, but the API server then publishes
+those sections without their fields, and ``kubectl explain`` shows none.) A pod template
+(``kubernetes.<component>.template``) is an object whose fields are kept: the kubernetes client's PodTemplateSpec
+schema, inlined as a structural schema must be, would be ~109 KB per component without its descriptions and ~363 KB
+with them (the README says why it is not embedded); the operator validates templates with that model instead.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+from pydantic.alias_generators import to_camel
 from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import core_schema
 
@@ -74,14 +85,48 @@ class _WithFactoryDefaults(GenerateJsonSchema):
 def spec_schema(
     model: type[BaseModel] = ReinforceRunSpec, exclude: frozenset[str] = EXCLUDED_SPEC_FIELDS
 ) -> dict[str, Any]:
-    """The structural OpenAPI v3 schema of a ReinforceRun's ``spec``."""
-    raw = model.model_json_schema(schema_generator=_WithFactoryDefaults)  # fields by their camelCase aliases
+    """The structural OpenAPI v3 schema of a ReinforceRun's ``spec``: camelCase, and the deprecated snake_case names
+    of earlier releases (module docstring)."""
+    return _with_old_spelling(_spec_schema(model, exclude, True), _spec_schema(model, exclude, False))
+
+
+def _spec_schema(model: type[BaseModel], exclude: frozenset[str], by_alias: bool) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=by_alias, schema_generator=_WithFactoryDefaults)
     defs = raw.pop("$defs", {})
-    excluded = {model.model_fields[name].alias or name for name in exclude}
-    for alias in excluded:
-        raw["properties"].pop(alias, None)
+    excluded = {model.model_fields[name].alias if by_alias else name for name in exclude}
+    for key in excluded:
+        raw["properties"].pop(key, None)
     raw["required"] = [r for r in raw.get("required", []) if r not in excluded]
     return _structural(raw, defs, "spec")
+
+
+def _with_old_spelling(node: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """`node` (camelCase) with each property of `old` (the same schema by snake_case name) that it lacks."""
+    if "items" in node:
+        return {**node, "items": _with_old_spelling(node["items"], old["items"])}
+    if "properties" not in node:
+        return node
+    properties = dict(node["properties"])
+    for name, schema in old["properties"].items():
+        if name in properties:
+            properties[name] = _with_old_spelling(properties[name], schema)
+        else:
+            properties[name] = {**_bare(schema), "description": f"Deprecated: the old spelling of {to_camel(name)}."}
+    return {**node, "properties": properties}
+
+
+def _bare(node: Any) -> Any:
+    """A schema without defaults (the server would add old-spelling fields to every run), descriptions or required
+    fields: what the API server needs to keep an old run's values."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: v for k, v in node.items() if k not in ("default", "description", "required")}
+    if "properties" in out:
+        out["properties"] = {name: _bare(schema) for name, schema in out["properties"].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = _bare(out[key])
+    return out
 
 
 def _structural(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:

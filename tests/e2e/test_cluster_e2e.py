@@ -53,6 +53,23 @@ PROMPTS_IN_IMAGE = "/opt/reinforce/examples/data/tiny.txt"  # the image's copy o
 RUN_TIMEOUT_S = 900
 UP_TIMEOUT_S = 3600  # a cold build of kube-scheduler and kubelet is part of the first `up` on a machine
 IMAGES_TIMEOUT_S = 3600  # and a cold build of the images
+# Issue 25: the trainer and generators of the first run take a toleration, a node affinity and a priority class
+# pasted from a Pod manifest (the node is labelled pool=gpu; the chart's tenancy allows them), which the scheduler
+# and the API server's admission then act on
+PRIORITY_CLASS = "reinforce-e2e-training"
+PASTED = {
+    "spec": {
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]
+                }
+            }
+        },
+        "priorityClassName": PRIORITY_CLASS,
+    }
+}
 
 
 @dataclass
@@ -121,6 +138,8 @@ def chart_installed(cluster: Cluster) -> Cluster:
         "hostNetwork=true", f"apiServer={host_port}", f"healthPort={HEALTH_PORT}", "image.pullPolicy=Never",
         "operatorConfig.profile=host-network", "operatorConfig.imagePullPolicy=Never",
         "operatorConfig.images.redis=reinforce-redis:0.1.0", f"operatorConfig.tenancy.hostNetworkNamespaces={{{RUNS}}}",
+        "operatorConfig.tenancy.tolerationKeys={nvidia.com/gpu}", "operatorConfig.tenancy.nodeSelectors.pool={gpu}",
+        f"operatorConfig.tenancy.priorityClasses={{{PRIORITY_CLASS}}}",
     ]  # fmt: skip
     args = [HELM, "--kubeconfig", str(cluster.kubeconfig), "install", RELEASE, str(CHART),
             "-n", OPERATOR_NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m"]  # fmt: skip
@@ -128,6 +147,8 @@ def chart_installed(cluster: Cluster) -> Cluster:
         args += ["--set", value]
     _timed(cluster.timings, "helm install", lambda: subprocess.run(args, capture_output=True, text=True, timeout=400))
     cluster.kubectl("create", "namespace", RUNS)
+    cluster.kubectl("label", "node", "--all", "pool=gpu")
+    client.SchedulingV1Api(cluster.api).create_priority_class({"metadata": {"name": PRIORITY_CLASS}, "value": 1000})
     return cluster
 
 
@@ -250,10 +271,13 @@ def test_helm_install_then_a_run_trains_in_pods(chart_installed: Cluster, tmp_pa
     file_sd = {"files": [str(targets)], "refresh_interval": "1s"}
     prometheus = Prometheus(tmp_path, [{"job_name": "pods", "file_sd_configs": [file_sd]}])
     try:
-        applied = apply_run(cluster, "tiny")
+        applied = apply_run(
+            cluster, "tiny", **{"kubernetes.trainer.template": PASTED, "kubernetes.generator.template": PASTED}
+        )
         write_pod_targets(cluster, "tiny", targets)
         wait_for_status(cluster, "tiny", lambda s: (s.get("step") or 0) >= 1, "a first trained step")
         first_step_s = time.monotonic() - applied
+        assert_pods_carry_the_template(cluster, "tiny")
         wait_for_status(cluster, "tiny", lambda s: (s.get("step") or 0) >= STEPS // 2, "half the steps")
         at = wait_until_scraped(prometheus, "tiny", REINFORCE_COMPONENTS)
         mid_run = cluster.run_status("tiny")
@@ -288,6 +312,16 @@ def test_helm_install_then_a_run_trains_in_pods(chart_installed: Cluster, tmp_pa
                         "local first step": local_first_step_s, "local run": local_s}  # fmt: skip
     print(f"{names} metric names answered")
     delete_run_and_its_children(cluster, "tiny")
+
+
+def assert_pods_carry_the_template(cluster: Cluster, run: str) -> None:
+    """The trainer and generator pods, scheduled and running, carry what the run's templates pasted."""
+    core = client.CoreV1Api(cluster.api)
+    for pod in (f"{run}-trainer-0", f"{run}-generator-0"):
+        spec = cluster.api.sanitize_for_serialization(core.read_namespaced_pod(pod, RUNS).spec)
+        assert PASTED["spec"]["tolerations"][0] in spec["tolerations"], spec
+        assert spec["affinity"] == PASTED["spec"]["affinity"] and spec["priorityClassName"] == PRIORITY_CLASS, spec
+        assert spec["priority"] == 1000 and spec["automountServiceAccountToken"] is False, spec
 
 
 def run_locally(tmp_path: Path) -> tuple[float, float]:

@@ -21,6 +21,7 @@ import uvicorn
 import yaml
 from k8s import (  # noqa: F401
     API,
+    EXAMPLE,
     KubeCluster,
     example_run,
     free_port,
@@ -43,6 +44,7 @@ from reinforce.core.names import (
     CONTROL_TOKEN_ENV,
     CRITIC_TOKEN_ENV,
     K8S_COMPONENT_LABEL,
+    OPERATOR_CONFIG_ENV,
     REDIS_URL_ENV,
     WEIGHTS_TOKEN_ENV,
 )
@@ -71,6 +73,7 @@ from reinforce.operator.main import (
 from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, ReinforceRunSpec
 
 pytestmark = pytest.mark.slow
+OLD_CRD = Path(__file__).with_name("crd-snake-case.yaml")  # the CRD as released before it was camelCase
 KINDS = {  # what each run owns (with its own Redis)
     ("ConfigMap", "spec"),
     ("Secret", "secrets"),
@@ -657,6 +660,101 @@ def test_events_tell_the_runs_story(
     refused = next(e for e in events if e[1] == "ImmutableFieldChanged")
     assert refused[0] == "Warning" and refused[2].startswith("spec.training.lr: cannot change"), refused
     assert any(e[:2] == ("Normal", "ComponentsNotReady") and "phase none -> Pending" in e[2] for e in events)
+
+
+# A Pod manifest's scheduling, pasted as a platform engineer would (issue 25)
+PRIORITY_CLASS = "reinforce-test-training"
+PASTED_SCHEDULING = {
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]
+            }
+        }
+    },
+    "priorityClassName": PRIORITY_CLASS,
+}
+
+
+def test_a_pod_template_pasted_from_a_pod_manifest_reaches_the_pods(
+    operator_env: OperatorConfig, cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25: a run whose trainer and generators take a toleration, a node affinity and a priority class from a
+    Pod manifest is accepted (the tenancy allows them) and its workloads' pod templates and pods carry them."""
+    tenancy = {
+        "tolerationKeys": ["nvidia.com/gpu"],
+        "nodeSelectors": {"pool": ["gpu"]},
+        "priorityClasses": [PRIORITY_CLASS],
+    }
+    config_file = tmp_path / "tenancy.yaml"
+    config_file.write_text(yaml.safe_dump({**operator_env.model_dump(mode="json"), "tenancy": tenancy}))
+    monkeypatch.setenv(OPERATOR_CONFIG_ENV, str(config_file))
+    scheduling = client.SchedulingV1Api(cluster.core.api_client)
+    scheduling.create_priority_class({"metadata": {"name": PRIORITY_CLASS}, "value": 1000})
+    template = {"spec": PASTED_SCHEDULING}
+    try:
+        with operator(cluster.namespace):
+            cluster.create_run(example_run(**{"kubernetes.trainer.template": template,
+                                              "kubernetes.generator.template": template}))  # fmt: skip
+            wait_for(lambda: len(cluster.children()) == len(KINDS), 30)
+            pods = {
+                component: wait_for(lambda c=component: cluster.pods(c), 30) for component in ("trainer", "generator")
+            }
+        assert cluster.condition("SpecAccepted")["status"] == "True"
+    finally:
+        scheduling.delete_priority_class(PRIORITY_CLASS)
+    serialize = cluster.core.api_client.sanitize_for_serialization
+    workloads = cluster.children()
+    for kind, component in (("StatefulSet", "trainer"), ("Deployment", "generator")):
+        for pod in (
+            serialize(workloads[(kind, f"tiny-{component}")].spec.template.spec),
+            serialize(pods[component][0].spec),
+        ):
+            assert PASTED_SCHEDULING["tolerations"][0] in pod["tolerations"], pod
+            assert pod["affinity"] == PASTED_SCHEDULING["affinity"] and pod["priorityClassName"] == PRIORITY_CLASS
+            assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
+        assert pods[component][0].spec.priority == 1000  # the API server resolved the class when it admitted the pod
+    assert "priorityClassName" not in serialize(workloads[("Deployment", "tiny-reward")].spec.template.spec)
+
+
+def test_a_run_created_in_the_old_spelling_keeps_running_after_the_upgrade(
+    operator_env: OperatorConfig, cluster: Cluster, admin: client.ApiClient
+) -> None:
+    """Issue 25: a run created under the snake_case CRD of earlier releases, running, then the CRD replaced by the
+    camelCase one and the operator restarted: the API server keeps the run's own values (the CRD lists the old
+    names too) beside its camelCase defaults, the operator reads the former, and the run goes on unchanged."""
+    spec = yaml.safe_load(EXAMPLE.read_text())  # examples/tiny.yaml: snake_case, as spec files and old runs spell it
+    spec.pop("name")
+    spec["generation"]["num_generators"] = 2  # the camelCase default is 1, max_new_tokens' 48 (16 here)
+    old = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": "tiny"}, "spec": spec}
+    try:
+        install_crd(admin, yaml.safe_load(OLD_CRD.read_text()))
+        with operator(cluster.namespace):
+            cluster.create_run(old)
+            wait_for(lambda: len(cluster.children()) == len(KINDS), 30)
+            _pods_ready_for_a_running_run(cluster)
+            wait_for(lambda: cluster.status().get("phase") == "Running", 20)
+        install_crd(admin, yaml.safe_load(crd.DEFAULT_OUTPUT.read_text()))  # the upgrade: CRD first, then operator
+        stored = wait_for(lambda: "numGenerators" in (s := cluster.run()["spec"])["generation"] and s, 10)
+        assert (stored["generation"]["num_generators"], stored["generation"]["numGenerators"]) == (2, 1)
+        cluster.custom.patch_namespaced_custom_object_status(
+            *API, cluster.namespace, crd.PLURAL, "tiny", {"status": {"observedGeneration": 0}}
+        )  # so that the wait below sees a pass of the upgraded operator accept the spec
+        with operator(cluster.namespace):
+            generation = cluster.run()["metadata"]["generation"]
+            wait_for(lambda: cluster.status().get("observedGeneration") == generation, 30)
+            time.sleep(2 * STATUS_INTERVAL_S)  # more passes: still accepted, still running
+            assert cluster.condition("SpecAccepted")["reason"] == "Applied", cluster.condition("SpecAccepted")
+            assert cluster.status()["phase"] == "Running"
+    finally:
+        install_crd(admin, yaml.safe_load(crd.DEFAULT_OUTPUT.read_text()))
+    assert cluster.replicas()["generator"] == 2
+    services_spec = RunSpec.model_validate(
+        yaml.safe_load(cluster.children()[("ConfigMap", "tiny-spec")].data["spec.yaml"])
+    )
+    assert services_spec.generation.max_new_tokens == 16 and services_spec.generation.num_generators == 2
+    assert not {"InvalidSpec", "ImmutableFieldChanged", "Failed"} & {reason for _, reason, _ in cluster.events()}
 
 
 def generator_versions(cluster: Cluster) -> dict[str, int | None]:

@@ -12,8 +12,11 @@ from k8s import example_run
 
 from generate.operator_manifest import operator_deployment
 from reinforce.core.names import K8S_INSTANCE_LABEL, OPERATOR_APP_NAME
+from reinforce.core.spec import SpecError
 from reinforce.operator.children import OperatorConfig, Run, children
-from reinforce.operator.resource import ReinforceRunSpec
+from reinforce.operator.podtemplate import strategic_merge
+from reinforce.operator.resource import ReinforceRunSpec, parse_run_resource
+from reinforce.operator.tenancy import refusals
 
 CHART_TEMPLATES = Path(__file__).resolve().parents[2] / "charts" / "reinforce" / "templates"
 CHART_OPERATOR = CHART_TEMPLATES / "operator.yaml"
@@ -181,3 +184,158 @@ def test_pods_bind_every_interface_explicitly(profile: str) -> None:
     generator = " ".join(templates["tiny-generator"]["spec"]["containers"][0]["command"])
     expected = "127.0.0.1:9001" if profile == "host-network" else "tiny-trainer-0.tiny-trainer.ns.svc:9001"
     assert f"--weights-url http://{expected}" in generator  # where the token may go: the run's trainer only
+
+
+# ---- pod template overrides (issue 25): kubernetes.<component>.template -------------------------------------------
+# What a platform engineer pastes from a Pod manifest of a GPU node pool (quantities as numbers, as manifests have)
+PASTED = {
+    "metadata": {
+        "labels": {"team": "vision"},
+        "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+    },
+    "spec": {
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]
+                }
+            }
+        },
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+        ],
+        "priorityClassName": "training",
+        "imagePullSecrets": [{"name": "registry"}],
+        "runtimeClassName": "nvidia",
+        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        "containers": [
+            {
+                "name": "trainer",
+                "resources": {"requests": {"cpu": 4, "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
+                "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+                "envFrom": [{"secretRef": {"name": "wandb"}}],
+                "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+            }
+        ],
+    },
+}
+
+
+def test_a_template_pasted_from_a_pod_manifest_is_merged_over_the_operators_pod() -> None:
+    run = run_of(changes={"kubernetes.trainer.template": PASTED, "kubernetes.trainer.gpus": 1})
+    pod = pod_templates(children(run))["tiny-trainer"]
+    plain = pod_templates(children(run_of(changes={"kubernetes.trainer.gpus": 1})))["tiny-trainer"]
+    spec, pasted = pod["spec"], PASTED["spec"]
+    for field in ("tolerations", "affinity", "topologySpreadConstraints", "priorityClassName", "imagePullSecrets",
+                  "runtimeClassName"):  # fmt: skip
+        assert spec[field] == pasted[field], field
+    assert pod["metadata"]["labels"] == {**plain["metadata"]["labels"], "team": "vision"}
+    assert pod["metadata"]["annotations"] == PASTED["metadata"]["annotations"]
+    assert spec["volumes"] == [*plain["spec"]["volumes"], pasted["volumes"][0]]  # merged by name
+    [container], [before] = spec["containers"], plain["spec"]["containers"]
+    # the gpus shorthand and the template's resources merge; quantities become the strings Kubernetes returns
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                                      "limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}}  # fmt: skip
+    assert container["env"] == [*before["env"], pasted["containers"][0]["env"][0]]
+    assert container["envFrom"] == [{"secretRef": {"name": "wandb"}}]
+    assert container["volumeMounts"] == [*before["volumeMounts"], {"name": "shm", "mountPath": "/dev/shm"}]
+    # what the run's guarantees rest on is as the operator built it
+    for field in ("command", "ports", "securityContext", "image", "readinessProbe"):
+        assert container[field] == before[field], field
+    assert spec["securityContext"] == plain["spec"]["securityContext"] and spec["automountServiceAccountToken"] is False
+    assert restricted_violations(spec) == []
+    assert pod_templates(children(run))["tiny-generator"] == pod_templates(children(run_of()))["tiny-generator"]
+
+
+def test_the_operators_template_comes_first_and_the_runs_wins() -> None:
+    """Both are strategic merges as `kubectl patch` does them: maps and keyed lists merge, other lists are replaced,
+    and null removes a field."""
+    config = {
+        "pods": {
+            "generator": {
+                "template": {
+                    "spec": {
+                        "priorityClassName": "batch",
+                        "nodeSelector": {"a": "1"},
+                        "tolerations": [{"key": "spot", "operator": "Exists"}],
+                    }
+                }
+            }
+        }
+    }
+    changes = {
+        "kubernetes.generator.template": {
+            "spec": {
+                "nodeSelector": {"b": "2"},
+                "priorityClassName": None,
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            }
+        }
+    }
+    spec = pod_templates(children(run_of(config=config, changes=changes)))["tiny-generator"]["spec"]
+    assert spec["nodeSelector"] == {"a": "1", "b": "2"} and "priorityClassName" not in spec
+    assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+
+
+def test_strategic_merge_merges_keyed_lists_by_their_key() -> None:
+    base = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["-v"]}]}}
+    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}],
+                                      "args": ["-q"]}, {"name": "b"}]}}  # fmt: skip
+    merged = strategic_merge(base, patch)
+    assert merged == {"spec": {"containers": [
+        {"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}], "args": ["-q"]},
+        {"name": "b"},
+    ]}}  # fmt: skip
+    assert base["spec"]["containers"][0]["env"] == [{"name": "X", "value": "1"}]  # neither input changes
+
+
+TEMPLATE = "spec.kubernetes.trainer.template"
+
+
+@pytest.mark.parametrize(
+    ("template", "refusal"),
+    [
+        ({"spec": {"securityContext": {"runAsUser": 0}}}, "spec.securityContext: the restricted security context"),
+        ({"spec": {"automountServiceAccountToken": True}}, "spec.automountServiceAccountToken: no run pod mounts"),
+        ({"spec": {"serviceAccountName": "admin"}}, "spec.serviceAccountName: no run pod runs as a service account"),
+        ({"spec": {"hostNetwork": True}}, "spec.hostNetwork: the node's network is the operator's profile"),
+        ({"spec": {"hostPID": True}}, "spec.hostPID: a run pod shares no namespace of the node"),
+        ({"spec": {"nodeName": "control-plane-0"}}, "spec.nodeName: it bypasses the scheduler"),
+        ({"spec": {"initContainers": [{"name": "x", "image": "busybox"}]}}, "spec.initContainers: only the run's own"),
+        ({"spec": {"containers": [{"name": "miner"}]}}, "spec.containers[0].name: 'miner' is none of"),
+        ({"spec": {"containers": [{"name": "trainer", "securityContext": {"privileged": True}}]}},
+         "spec.containers[0].securityContext: the operator's"),
+        ({"spec": {"containers": [{"name": "trainer", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]}},
+         "spec.containers[0].securityContext: the operator's"),
+        ({"spec": {"containers": [{"name": "trainer", "ports": [{"containerPort": 22}]}]}},
+         "spec.containers[0].ports: the operator's"),
+        ({"spec": {"containers": [{"name": "trainer", "command": ["sh"]}]}},
+         "spec.containers[0].command: the operator's"),
+        ({"spec": {"volumes": [{"name": "data", "emptyDir": {}}]}}, "spec.volumes[0].name: 'data' is the run's own"),
+        ({"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
+         "spec.volumes[0]: hostPath is no volume the restricted Pod Security Standard allows"),
+        ({"spec": {"volumes": [{"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}]}},
+         "spec.volumes[0].projected: no run pod mounts a service account token"),
+        ({"spec": {"containers": [{"name": "trainer", "volumeMounts": [{"name": "x", "mountPath": "/data"}]}]}},
+         "spec.containers[0].volumeMounts[0].mountPath: /data is where the run's own volume is mounted"),
+        ({"spec": {"containers": [{"name": "trainer", "env": [{"name": "REINFORCE_REDIS_URL", "value": "redis://x"}]}]}},
+         "spec.containers[0].env[0].name: 'REINFORCE_REDIS_URL' is the run's own setting"),
+        ({"metadata": {"labels": {K8S_INSTANCE_LABEL: "other"}}},
+         f"metadata.labels.{K8S_INSTANCE_LABEL}: the run's own"),
+        ({"metadata": {"name": "x"}}, "metadata.name: a template sets only labels and annotations"),
+    ],
+)  # fmt: skip
+def test_what_would_break_the_runs_guarantees_is_refused_by_name(template: dict[str, Any], refusal: str) -> None:
+    [found] = refusals(run_of(changes={"kubernetes.trainer.template": template}))
+    assert found.startswith(f"{TEMPLATE}.{refusal}"), found
+
+
+def test_a_template_that_is_no_pod_template_is_refused_naming_the_field() -> None:
+    bad = {"spec": {"tolerations": [{"key": "gpu", "tolerationSecond": 5}], "priorityClassName": 7}}
+    with pytest.raises(SpecError) as raised:
+        parse_run_resource("tiny", example_run(**{"kubernetes.trainer.template": bad})["spec"])
+    message = str(raised.value)
+    assert f"{TEMPLATE}: Value error, not a PodTemplateSpec: " in message
+    assert "spec.tolerations[0].tolerationSecond: Extra inputs are not permitted" in message
+    assert "spec.priorityClassName: Input should be a valid string" in message

@@ -118,3 +118,68 @@ def test_a_runs_image_must_be_allowed(allowed: list[str] | None, image: str, ref
         (message,) = found
         assert message.startswith("spec.kubernetes.trainer.image: ") and refusal in message, message
     assert "r:2" in config.configured_images()  # the operator's pod defaults count as configured
+
+
+# Issue 25: a pod template asks for placement, resources, images and priority as the shorthands do, under the same rules
+HOSTILE_TEMPLATE = {
+    "spec": {
+        "tolerations": [{"operator": "Exists"}, {"key": CONTROL_PLANE, "operator": "Exists"}],
+        "nodeSelector": {CONTROL_PLANE: ""},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["control-plane-0"]}]},
+                        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu", "control"]}]},
+                    ]
+                },
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 1, "preference": {"matchExpressions": [{"key": CONTROL_PLANE, "operator": "Exists"}]}}
+                ],
+            }
+        },
+        "priorityClassName": "system-node-critical",
+        "containers": [{"name": "trainer", "image": "attacker/miner:1", "resources": {"limits": {"cpu": 1000}}}],
+    }
+}
+
+
+def test_a_templates_placement_resources_image_and_priority_are_checked_by_field_name() -> None:
+    found = refusals(run_of({"trainer": {"template": HOSTILE_TEMPLATE}}, TENANCY))
+    where = "spec.kubernetes.trainer.template.spec"
+    required = f"{where}.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
+    preferred = f"{where}.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].preference"
+    assert [message.split(": ", 1)[0] for message in found] == [
+        f"{where}.tolerations[0]",
+        f"{where}.tolerations[1].key",
+        f"{where}.nodeSelector.{CONTROL_PLANE}",
+        f"{required}[0].matchFields",
+        f"{required}[1].matchExpressions[0].values",
+        f"{preferred}.matchExpressions[0]",
+        f"{where}.containers[0].resources.limits.cpu",
+        f"{where}.containers[0].image",
+        f"{where}.priorityClassName",
+    ], found
+    assert "['control'] are not allowed by tenancy.nodeSelectors (pool: ['gpu', 'cpu'])" in found[4]
+    assert found[6].endswith("1000 is above tenancy.maxResources.cpu 8")
+    assert "'system-node-critical' is not in tenancy.priorityClasses []" in found[8]
+
+
+def test_what_the_tenancy_allows_is_accepted_from_a_template_too() -> None:
+    allowed = {
+        "spec": {
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}
+                        ]
+                    }
+                }
+            },
+            "priorityClassName": "training",
+            "containers": [{"name": "generator", "resources": {"requests": {"cpu": 8, "nvidia.com/gpu": 1}}}],
+        }
+    }
+    assert refusals(run_of({"generator": {"template": allowed}}, {**TENANCY, "priorityClasses": ["training"]})) == []

@@ -844,7 +844,9 @@ def dump_spec(spec: RunSpec) -> str:
 def respell(data: Any, model: type[BaseModel], by_alias: bool = True) -> Any:
     """`data`, a mapping of `model`'s fields in either spelling, with each field (nested sections too) spelled by its
     camelCase alias (by_alias) or its snake_case name. Keys of map-valued fields (labels, resources, reward.kwargs)
-    and keys that are no field are left as they are: validation names those."""
+    and keys that are no field are left as they are: validation names those. A field given in both spellings takes
+    its snake_case one: a ReinforceRun stored before the CRD was camelCase holds its own values by name and, read
+    through the camelCase CRD, the server's defaults by alias (README: upgrading)."""
     if not isinstance(data, dict):
         return data
     fields = {key: (name, field) for name, field in model.model_fields.items() for key in (name, field.alias or name)}
@@ -854,6 +856,8 @@ def respell(data: Any, model: type[BaseModel], by_alias: bool = True) -> Any:
             out[key] = value
             continue
         name, field = fields[key]
+        if key != name and name in data:
+            continue  # the alias of a field also given by name
         out[field.alias if by_alias and field.alias else name] = _respell_value(value, field.annotation, by_alias)
     return out
 

@@ -25,6 +25,8 @@ RuntimeDefault seccomp) and mounts no service account token: no service of a run
 host-network profile cannot pass it (hostNetwork is what "baseline" already forbids) but keeps every other setting
 of it; it is for a single-node test cluster, and only for the namespaces tenancy.hostNetworkNamespaces names.
 What a run's own settings may ask for (placement, resources, an external Redis Secret) is operator/tenancy.py's.
+A component's pod template override (`kubernetes.<component>.template`, the operator's `pods` default first, then
+the run's) is strategic-merged over the pod built here (operator/podtemplate.py).
 
 Every object carries the run's labels and an ownerReference to the run (controller), so deleting the run
 deletes them. These builders are pure functions of the run: the operator's reconcile is "apply them all".
@@ -33,7 +35,7 @@ deletes them. These builders are pure functions of the run: the operator's recon
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -59,6 +61,7 @@ from reinforce.core.names import (
 )
 from reinforce.core.spec import TrainingSpec, _Section, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT
+from reinforce.operator.podtemplate import strategic_merge
 from reinforce.operator.resource import (
     GPU_RESOURCE,
     GROUP,
@@ -186,6 +189,7 @@ class Run:
     spec: ReinforceRunSpec
     config: OperatorConfig
     stopped: bool = False  # suspended, or finished: every workload at zero replicas
+    overrides: bool = True  # merge the pod template overrides (False: the operator's own pods, checked against)
 
     def child(self, component: str) -> str:
         return f"{self.name}-{component}"
@@ -395,7 +399,23 @@ def _pod_template(run: Run, component: str, containers: list[dict], volumes: lis
         spec["nodeSelector"] = settings.node_selector
     if settings.tolerations:
         spec["tolerations"] = [t.model_dump(exclude_none=True, by_alias=True) for t in settings.tolerations]
-    return {"metadata": {"labels": {**run.labels, K8S_COMPONENT_LABEL: component, **run.queue_label}}, "spec": spec}
+    template = {"metadata": {"labels": {**run.labels, K8S_COMPONENT_LABEL: component, **run.queue_label}}, "spec": spec}
+    if not run.overrides:
+        return template
+    for layer in (run.config.pods.get(component, PodSpec()), getattr(run.spec.kubernetes, component)):
+        if layer.template is not None:
+            template = strategic_merge(template, layer.template)
+    return template
+
+
+def base_pod_templates(run: Run) -> dict[str, dict[str, Any]]:
+    """Each component's pod template as the operator builds it, before any template override."""
+    workloads = children(replace(run, overrides=False))
+    return {
+        o["spec"]["template"]["metadata"]["labels"][K8S_COMPONENT_LABEL]: o["spec"]["template"]
+        for o in workloads
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
 
 
 def _spec_volume(run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
