@@ -112,3 +112,22 @@ def assert_each_step_trained_once(run_dir: Path, steps: int, prompts_per_step: i
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))
+
+
+# The algorithm section of each recipe on the tiny example (benchmarks/algorithms.py, test_pipeline.py): the peers'
+# recipes as README's "Coming from TRL / NeMo-Aligner" names them.
+RECIPES: dict[str, dict] = {
+    "rloo": {},
+    "grpo": {"advantage_estimator": "grpo"},
+    "dr_grpo": {"advantage_estimator": "dr_grpo", "loss_aggregation": "constant"},
+    "dapo": {
+        "advantage_estimator": "grpo",
+        "initial_policy_kl_penalty": 0.0,
+        "policy_loss": "clip",
+        "ratio_eps_low": 0.2,
+        "ratio_eps_high": 0.28,
+        "dynamic_sampling": True,
+        "overlong_buffer": 4,
+    },
+    "gspo": {"advantage_estimator": "grpo", "policy_loss": "gspo", "loss_aggregation": "sequence_mean"},
+}
