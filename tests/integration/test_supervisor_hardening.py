@@ -15,13 +15,13 @@ import pytest
 import redis
 from runs import assert_each_step_trained_once, reinforce, start, wait_for_step, write_spec
 
+from reinforce.core.checkpoints import list_checkpoints
 from reinforce.core.metrics import read_metrics
 from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, REDIS_URL_ENV, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.run_dir import RunPaths
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 from reinforce.supervisor.main import PROMETHEUS_TARGETS
-from reinforce.trainer.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # gRPC binds IPv4 loopback as mapped IPv6

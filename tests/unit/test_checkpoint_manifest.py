@@ -8,17 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from reinforce.core.checkpoints import MANIFEST, ForeignCheckpoint, list_checkpoints
 from reinforce.core.spec import TrainingSpec
 from reinforce.trainer.backends.torch_backend import TorchBackend
-from reinforce.trainer.checkpoint import (
-    MANIFEST,
-    ForeignCheckpoint,
-    TrainerState,
-    list_checkpoints,
-    load_checkpoint,
-    newest_intact_checkpoint,
-    save_checkpoint,
-)
+from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from reinforce.trainer.distributed import Ranks
 
 RUN = "run-a"

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from reinforce.core.checkpoints import list_checkpoints
 from reinforce.core.records_pb2 import RolloutGroup, Sample, WeightVersion
 from reinforce.core.spec import TrainingSpec
 from reinforce.core.weights import (
@@ -23,7 +24,7 @@ from reinforce.core.weights import (
 from reinforce.trainer.backends.base import lr_factor
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
-from reinforce.trainer.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import prompt_seed
 
@@ -166,12 +167,10 @@ def test_checkpoint_round_trip_keeps_last_k(tmp_path):
     assert torch.equal(*exp_avg)
 
 
-def test_groups_whose_logprobs_are_not_the_trainers_are_refused_and_counted(tmp_path):
-    """Issue #13, finding 1: a group 'sampled by version v' whose log-probs are far from what v gives (forged or
-    corrupted weights behind it) is left out of the update and counted; a genuine group is trained on."""
+def _tiny_run(tmp_path: Path, **algorithm) -> tuple:
+    """(spec, torch backend) of a one-layer random policy, k = 2, two prompts per step."""
     from reinforce.core.models import materialize_policy
     from reinforce.core.spec import RunSpec
-    from reinforce.trainer.algorithms import build_algorithm
     from reinforce.trainer.backends import build_backend
 
     spec = RunSpec.model_validate(
@@ -179,28 +178,83 @@ def test_groups_whose_logprobs_are_not_the_trainers_are_refused_and_counted(tmp_
             "name": "mismatch",
             "policy": {"random_init": {"hidden_size": 16, "intermediate_size": 16, "num_layers": 1}},
             "data": {"prompts": "unused.txt"},
-            "algorithm": {"num_rollouts_per_prompt": 2},
+            "algorithm": {"num_rollouts_per_prompt": 2, **algorithm},
             "training": {"prompts_per_step": 2, "micro_batch_prompts": 2, "lr": 1e-3},
         }
     )
     materialize_policy(spec.policy, tmp_path / "policy", seed=0)
-    backend = build_backend(spec.training, tmp_path / "policy", Ranks())
-    responses = [[3, 4, 5], [6, 7]]
+    return spec, build_backend(spec.training, tmp_path / "policy", Ranks())
+
+
+RESPONSES = [[3, 4, 5], [6, 7]]
+
+
+def _group(pid: str, logprobs: list[list[float]]) -> RolloutGroup:
+    samples = [
+        Sample(token_ids=r, logprobs=lp, reward=float(i), is_end=True)
+        for i, (r, lp) in enumerate(zip(RESPONSES, logprobs, strict=True))
+    ]
+    return RolloutGroup(prompt_id=pid, step=0, policy_version=0, prompt_token_ids=[1, 2], samples=samples)
+
+
+def _honest_and_forged(backend) -> list[RolloutGroup]:
+    """A group with the backend's own log-probs, and one with what other weights (near-certain tokens) report."""
     with torch.no_grad():
-        genuine, _ = backend.policy_logprobs([[1, 2]] * 2, responses, 1.0)
+        genuine, _ = backend.policy_logprobs([[1, 2]] * 2, RESPONSES, 1.0)
+    honest = _group("0-0", [genuine[0, :3].tolist(), genuine[1, :2].tolist()])
+    return [honest, _group("0-1", [[-0.01] * 3, [-0.01] * 2])]
 
-    def group(pid: str, logprobs: list[list[float]]) -> RolloutGroup:
-        samples = [
-            Sample(token_ids=r, logprobs=lp, reward=float(i), is_end=True)
-            for i, (r, lp) in enumerate(zip(responses, logprobs, strict=True))
-        ]
-        return RolloutGroup(prompt_id=pid, step=0, policy_version=0, prompt_token_ids=[1, 2], samples=samples)
 
-    honest = group("0-0", [genuine[0, :3].tolist(), genuine[1, :2].tolist()])
-    forged = group("0-1", [[-0.01] * 3, [-0.01] * 2])  # what other weights (near-certain tokens) would report
-    values = build_algorithm(spec, Ranks()).update(StepBatch.from_groups([honest, forged]), backend, version=0)
+def test_groups_whose_logprobs_are_not_the_trainers_are_refused_and_counted(tmp_path):
+    """Issue #13, finding 1: a group 'sampled by version v' whose log-probs are far from what v gives (forged or
+    corrupted weights behind it) is left out of the update and counted; a genuine group is trained on."""
+    from reinforce.trainer.algorithms import build_algorithm
+
+    spec, backend = _tiny_run(tmp_path)
+    batch = StepBatch.from_groups(_honest_and_forged(backend))
+    values = build_algorithm(spec, Ranks()).update(batch, backend, version=0)
     assert values["train_rollouts/refused_mismatched_groups"] == 1.0
     assert math.isfinite(values["train_optim/loss"]) and values["train_optim/loss"] != 0.0  # the honest one trained
+
+
+def test_ppo_refuses_mismatched_groups_too(tmp_path):
+    """Issue #30, R3-3: PPO had no refusal; a forged group's samples are now out of its rollout's kept samples."""
+    from reinforce.trainer.algorithms.ppo_trainer import PPO
+
+    spec, backend = _tiny_run(tmp_path, name="ppo")
+    batch = StepBatch.from_groups(_honest_and_forged(backend))
+    rollout, _, _, refused = PPO(spec, Ranks(), critic=None).rollout(batch, backend, version=0)
+    assert refused == 1
+    assert rollout.keep.tolist() == [True, True, False, False]
+    assert rollout.mask[2:].sum() == 0
+
+
+def test_nan_generator_logprobs_count_as_mismatched():
+    """Issue #30, R3-4: `NaN > limit` is false, so NaN log-probs passed the refusal."""
+    from reinforce.trainer.algorithms.reinforce import mismatched_groups
+
+    behaviour = torch.tensor([[-1.0, math.nan], [-1.0, -1.0]])
+    trainer = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    refused = mismatched_groups(behaviour, trainer, torch.ones(2, 2), torch.tensor([True, True]), k=1, limit=0.1)
+    assert refused.tolist() == [True, False]
+
+
+def test_a_non_finite_gradient_is_never_stepped(tmp_path):
+    """Issue #30, R3-2: one NaN gradient used to make every weight NaN (then published and checkpointed)."""
+    _, backend = _tiny_run(tmp_path)
+    before = {k: v.clone() for k, v in backend.policy.state_dict().items()}
+    for p in backend.trainable_parameters():
+        p.grad = torch.ones_like(p)
+    next(iter(backend.trainable_parameters())).grad[0] = math.nan
+    grad_norm, _ = backend.optimizer_step()
+    assert math.isnan(grad_norm) and backend.skipped_nonfinite_steps == 1
+    assert all(torch.equal(before[k], v) for k, v in backend.policy.state_dict().items())
+    assert backend.scheduler.last_epoch == 1  # the schedule is a function of the step, skipped or not
+    for p in backend.trainable_parameters():
+        p.grad = torch.ones_like(p)
+    backend.optimizer_step()
+    assert backend.skipped_nonfinite_steps == 1
+    assert not all(torch.equal(before[k], v) for k, v in backend.policy.state_dict().items())
 
 
 def test_checkpoint_files_and_folders_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):

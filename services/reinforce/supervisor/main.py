@@ -31,10 +31,11 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from reinforce.core import launch
+from reinforce.core.checkpoints import ForeignCheckpoint, refuse_foreign_checkpoints
 from reinforce.core.dali_prompts import read_shard_index
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.durable import write_text_atomically
-from reinforce.core.metrics import file_sd_target, read_metrics
+from reinforce.core.metrics import file_sd_target, read_metrics, shown
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
     COMPONENT_CRITIC,
@@ -59,7 +60,6 @@ from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 from reinforce.supervisor.outcome import record_outcome
 from reinforce.supervisor.samples import print_samples_summary
-from reinforce.trainer.checkpoint import ForeignCheckpoint, refuse_foreign_checkpoints
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
@@ -456,9 +456,9 @@ class Progress:
         last = rows[-1]
         self.bar.update(last["step"] - self.bar.n)
         self.bar.set_postfix(
-            reward=f"{last['train_rollouts/rewards']:.3f}",
-            kl=f"{last['train_rollouts/init_policy_kl']:.4f}",
-            tok_s=f"{last['throughput/generated_tokens_per_second']:.0f}",
+            reward=shown(last.get("train_rollouts/rewards"), ".3f"),
+            kl=shown(last.get("train_rollouts/init_policy_kl"), ".4f"),
+            tok_s=shown(last.get("throughput/generated_tokens_per_second"), ".0f"),
         )
 
     def close(self) -> None:
@@ -608,8 +608,9 @@ def _print_summary(paths: RunPaths) -> None:
         return
     first, last = rows[0], rows[-1]
     print(
-        f"done: {last['step']} steps; reward {first['train_rollouts/rewards']:.3f} -> "
-        f"{last['train_rollouts/rewards']:.3f}; KL {last['train_rollouts/init_policy_kl']:.4f}\n"
+        f"done: {last['step']} steps; reward {shown(first.get('train_rollouts/rewards'), '.3f')} -> "
+        f"{shown(last.get('train_rollouts/rewards'), '.3f')}; "
+        f"KL {shown(last.get('train_rollouts/init_policy_kl'), '.4f')}\n"
         f"  metrics {paths.metrics}\n  plot    {paths.plot}\n  model   {paths.final_model}"
     )
     print_samples_summary(paths)

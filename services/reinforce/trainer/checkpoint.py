@@ -26,19 +26,19 @@ from typing import Any
 
 import torch
 
+from reinforce.core.checkpoints import (
+    CHECKPOINT_PREFIX,
+    damage,
+    list_checkpoints,
+    refuse_foreign_checkpoints,
+    write_manifest,
+)
 from reinforce.core.durable import fsync_tree, replace_durably
-from reinforce.core.weights import sha256_of
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.distributed import Ranks
 
 log = logging.getLogger(__name__)
-_PREFIX = "step-"
-MANIFEST = "manifest.json"
 _DAMAGED = "damaged-"
-
-
-class ForeignCheckpoint(RuntimeError):
-    """A checkpoint written by another run; the message names both run ids."""
 
 
 @dataclass
@@ -60,8 +60,8 @@ def save_checkpoint(
 
     `run_id` (the main process's; others may pass "") goes into the manifest."""
     ranks = ranks or Ranks()
-    final = root / f"{_PREFIX}{state.step:06d}"
-    tmp = root / f".tmp-{_PREFIX}{state.step:06d}"
+    final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
+    tmp = root / f".tmp-{CHECKPOINT_PREFIX}{state.step:06d}"
     if ranks.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -72,7 +72,7 @@ def save_checkpoint(
     if ranks.is_main:
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
-        _write_manifest(tmp, run_id)  # last: it vouches for every other file
+        write_manifest(tmp, run_id)  # last: it vouches for every other file
         fsync_tree(tmp)  # the data on disk before the name that promises it is complete
         shutil.rmtree(final, ignore_errors=True)
         replace_durably(tmp, final)
@@ -80,58 +80,6 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     ranks.barrier()
     return final
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir())
-
-
-def _write_manifest(folder: Path, run_id: str) -> None:
-    files = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-    (folder / MANIFEST).write_text(json.dumps({"run_id": run_id, "files": files}, indent=1))
-
-
-def _read_manifest(folder: Path) -> dict | None:
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("run_id"), str)):
-        return None
-    files = manifest.get("files")
-    return manifest if isinstance(files, dict) and all(isinstance(f, dict) for f in files.values()) else None
-
-
-def damage(folder: Path) -> str | None:
-    """What is wrong with a checkpoint folder, naming the file (None: every file matches its manifest)."""
-    manifest = _read_manifest(folder)
-    if manifest is None:
-        return f"{folder / MANIFEST} is missing or unreadable"
-    for name, expected in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != expected.get("bytes"):
-            return f"{path} holds {size} bytes, its manifest says {expected.get('bytes')}"
-        if sha256_of(path) != expected.get("sha256"):
-            return f"{path} does not match its sha256 in the manifest"
-    return None
-
-
-def refuse_foreign_checkpoints(root: Path, run_id: str) -> None:
-    """Raise ForeignCheckpoint if a checkpoint's manifest names another run (reads the manifests only)."""
-    for folder in list_checkpoints(root):
-        manifest = _read_manifest(folder)
-        if manifest is not None and manifest["run_id"] != run_id:
-            raise ForeignCheckpoint(
-                f"checkpoint {folder} belongs to run {manifest['run_id']}, not to this run ({run_id}): "
-                "move it away, or resume the run it belongs to"
-            )
 
 
 def newest_intact_checkpoint(root: Path, run_id: str, ranks: Ranks | None = None) -> Path | None:

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 from prometheus_client import start_http_server
+from transformers import AutoConfig
 
 from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.lora import LORA_FORMAT
-from reinforce.core.metrics import TrainerMetrics, read_metrics
+from reinforce.core.metrics import TrainerMetrics, read_metrics, shown
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
@@ -43,6 +44,7 @@ from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.dynamic_sampling import GroupFilter
 from reinforce.trainer.feed import PromptFeeder
+from reinforce.trainer.group_check import GroupLimits, max_group_bytes
 from reinforce.trainer.plot import plot_metrics
 from reinforce.trainer.samples import log_samples
 from reinforce.trainer.validation import Validator
@@ -54,6 +56,7 @@ SUMMED_METRICS = {
     "train_rollouts/dropped_nonfinite_rewards",
     "train_rollouts/dropped_stale_groups",
     "train_rollouts/filtered_groups",
+    "train_rollouts/invalid_groups",
     "train_rollouts/refused_mismatched_groups",
     "timers/generate",
     "timers/reward",
@@ -68,6 +71,8 @@ MAXED_METRICS = {
     "timers/train_time",
     "timers/weight_publish",
     "timers/step_time",
+    "train_optim/skipped_nonfinite_steps",  # the same on every rank: the gradient norm is a global one
+    "train_optim/skipped_empty_steps",
 }
 
 
@@ -96,22 +101,24 @@ class Trainer:
         self.algorithm = build_algorithm(spec, self.ranks, critic_url)
         self.stopping = threading.Event()  # set by SIGTERM: stop after the current step
         queue = connect(redis_url, max_outage_s=spec.queue.max_outage_s, stopping=self.stopping)
-        self.queue = RolloutQueue(queue, spec.name)
+        limits = GroupLimits.of(spec, AutoConfig.from_pretrained(self.paths.initial_policy).vocab_size)
+        self.queue = RolloutQueue(queue, spec.name, max_record_bytes=max_group_bytes(limits))
         self.queue.ensure_groups()
         self.feeder = PromptFeeder(spec, open_prompt_cursor(spec), self.tokenizer, self.queue)
         self.group_filter = None  # DAPO's dynamic sampling (one data-parallel rank: its reader is the main process)
         if spec.algorithm.dynamic_sampling:
             self.group_filter = GroupFilter(spec, self.queue, self.feeder.enqueue_replacement)
         self.collector = GroupCollector(
-            spec, self.queue, self.consumer, self.ranks, self.feeder.prompt_of, self.stopping,
-            group_filter=self.group_filter,
-        )
+            spec, self.queue, self.consumer, self.ranks, self.feeder.prompt_of, self.feeder.enqueued, limits,
+            self.stopping, self.group_filter,
+        )  # fmt: skip
         self.metrics = TrainerMetrics(self.paths.metrics if self.ranks.is_main else None)
         self.validator: Validator | None = None
         if spec.data.validation_prompts and self.ranks.rank == 0:  # the main process and its replica's peers
             self.validator = Validator(
-                spec, self.tokenizer, self.queue, self.backend, self.paths, self.consumer, self.stopping, self.ranks
-            )
+                spec, self.tokenizer, self.queue, self.backend, self.paths, self.consumer, self.stopping, self.ranks,
+                limits,
+            )  # fmt: skip
         self.trackers: Trackers | None = None  # opened by resume_if_possible, once the step is known
         self.step = 0
         self.weights_base_url: str | None = None  # set by serve_weights (weights.transport http)
@@ -201,6 +208,7 @@ class Trainer:
         tensors, metadata = self.backend.weights_to_publish()
         if not self.ranks.is_main:
             return 0.0
+        _check_finite(tensors, self.step)
         # whole weights travel in the generators' precision; LoRA adapters (a few MB) as they were trained
         dtype = None if metadata.get("format") == LORA_FORMAT else getattr(torch, self.spec.generation.resolved_dtype())
         weights = publish(
@@ -243,9 +251,10 @@ class Trainer:
         entry_ids, groups = self.collector.collect_groups(self.step)
         rollout_time = time.perf_counter() - step_start
         batch = StepBatch.from_groups(groups)
-        values = self.algorithm.update(batch, self.backend, version=self.step)
-        if self.ranks.is_main:  # what the model wrote, for people to read
-            log_samples(self.spec, self.paths, self.trackers, self.step + 1, batch, self.algorithm.sample_values)
+        values = self.update(batch)
+        if self.ranks.is_main:  # what the model wrote, for people to read (a skipped step has no advantage or KL)
+            sample_values = None if values["train_optim/skipped_empty_steps"] else self.algorithm.sample_values
+            log_samples(self.spec, self.paths, self.trackers, self.step + 1, batch, sample_values)
         trained = self.step
         self.step += 1
         values["timers/weight_publish"] = self.publish_weights()
@@ -277,12 +286,29 @@ class Trainer:
         _append_jsonl(self.paths.trained_groups, audit)
         self.record(self.step, values)
         log.info(
-            "step %d reward %.4f kl %.4f grad norm %.4f",
+            "step %d reward %s kl %s grad norm %s",
             self.step,
-            values["train_rollouts/rewards"],
-            values["train_rollouts/init_policy_kl"],
-            values["train_optim/grad_norm"],
+            shown(values.get("train_rollouts/rewards"), ".4f"),
+            shown(values.get("train_rollouts/init_policy_kl"), ".4f"),
+            shown(values.get("train_optim/grad_norm"), ".4f"),
         )
+
+    def update(self, batch: StepBatch) -> dict[str, float]:
+        """The algorithm's update, or a skipped step when no sample of any rank kept its reward (a reward
+        function that failed for the whole step): nothing to learn from, and an optimizer step on no data
+        would still move the weights (AdamW's momentum and decay)."""
+        skipped_before = self.backend.skipped_nonfinite_steps
+        if self.ranks.sum(batch.num_samples) == 0:
+            log.warning("step %d: every sample was dropped; the step is skipped", self.step)
+            values = {"train_optim/lr": self.backend.skip_step(), "train_optim/skipped_empty_steps": 1.0}
+        else:
+            values = self.algorithm.update(batch, self.backend, version=self.step)
+            values["train_optim/skipped_empty_steps"] = 0.0
+        skipped = self.backend.skipped_nonfinite_steps - skipped_before
+        if skipped:
+            log.warning("step %d: %d optimizer step(s) skipped for a non-finite gradient norm", self.step, skipped)
+        values["train_optim/skipped_nonfinite_steps"] = float(skipped)
+        return values
 
     def rollout_stats(self, batch: StepBatch, rollout_time: float, trained_step: int) -> dict[str, float]:
         samples = [s for g in batch.groups for s in g.samples]
@@ -304,7 +330,7 @@ class Trainer:
             "train_rollouts/dropped_nonfinite_rewards": float((~batch.keep).sum()),
             "train_rollouts/policy_lag": _mean(lags),
             "train_rollouts/policy_lag_max": float(max(lags)),
-            "train_rollouts/dropped_stale_groups": float(self.collector.dropped_groups),
+            **self.collector.take_counts(),
             "timers/rollout_time": rollout_time,
             "timers/generate": generate,
             "timers/reward": sum(g.reward_seconds for g in batch.groups),
@@ -325,6 +351,17 @@ def open_prompt_cursor(spec: RunSpec) -> DataCursor:
     # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
     prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
     return PromptCursor(prompts, spec.seed, spec.data.shuffle)
+
+
+def _check_finite(weights: torch.nn.Module | dict[str, torch.Tensor], version: int) -> None:
+    """Refuse to publish (and so to checkpoint) non-finite weights. Backends never step on a non-finite gradient,
+    so this is the last line, not the first: one fused norm per tensor is a single cheap pass."""
+    named = dict(weights.named_parameters() if isinstance(weights, torch.nn.Module) else weights.items())
+    norms = torch._foreach_norm([t.detach() for t in named.values()])
+    bad = [name for name, norm in zip(named, norms, strict=True) if not torch.isfinite(norm)]
+    if bad:
+        raise RuntimeError(f"weight version {version}: {len(bad)} tensors are not finite (first: {bad[0]}); "
+                           "not published. The run resumes from its last checkpoint.")  # fmt: skip
 
 
 def _prompt_index(group: RolloutGroup) -> int:

@@ -34,6 +34,7 @@ from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.collect import share_groups
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import prompt_seed
+from reinforce.trainer.group_check import GroupLimits, content_problem
 
 log = logging.getLogger("reinforce.trainer")
 
@@ -53,7 +54,9 @@ class Validator:
         consumer: str,
         stopping: threading.Event,
         ranks: Ranks,
+        limits: GroupLimits,
     ) -> None:
+        """limits: what a well-formed group of the run looks like (a malformed validation group is dead-lettered)."""
         assert spec.data.validation_prompts is not None
         assert ranks.rank == 0, "the validator runs on the main rank's replica"
         self.spec = spec
@@ -71,7 +74,9 @@ class Validator:
             ids, _ = encode_prompt_checked(tokenizer, text, spec.data)
             if ids is not None:  # on_long_prompt skip: the next one instead
                 self.prompts.append((str(text), ids))
+        self.limits = limits
         self.started: dict[int, float] = {}
+        self.enqueued: dict[str, Prompt] = {}  # the validation prompts of evaluations in flight, by id
 
     def due(self, step: int) -> bool:
         """At the start, every training.val_every steps, and at the end."""
@@ -99,6 +104,7 @@ class Validator:
             for i, (text, ids) in enumerate(self.prompts)
         ]
         self.queue.put_prompts(prompts)
+        self.enqueued.update((p.id, p) for p in prompts)
         self.started[version] = time.perf_counter()
 
     def finish(self, version: int) -> dict[str, float]:
@@ -125,12 +131,28 @@ class Validator:
             if self.stopping.is_set():
                 raise SystemExit(0)
             for entry_id, group in self.queue.read_validation(self.consumer, count=len(wanted), block_ms=1000):
+                if group.prompt_id in wanted and group.policy_version == version and self.refused(entry_id, group):
+                    continue
                 entry_ids.append(entry_id)
                 if group.prompt_id in wanted and group.policy_version == version:
                     groups.setdefault(group.prompt_id, group)
                 else:
                     log.warning("dropping stale or duplicate validation group %s", group.prompt_id)
+        for prompt_id in wanted:
+            self.enqueued.pop(prompt_id, None)
         return sorted(groups.values(), key=lambda g: wanted[g.prompt_id]), entry_ids
+
+    def refused(self, entry_id: str, group: RolloutGroup) -> bool:
+        """Dead-letter a validation group that cannot be scored (trainer/group_check.py) and enqueue its prompt
+        again."""
+        prompt = self.enqueued[group.prompt_id]
+        problem = content_problem(group, self.limits, num_samples=1, enqueued=prompt)
+        if not problem:
+            return False
+        log.warning("validation group %s from %s refused: %s", group.prompt_id, group.generator_id or "?", problem)
+        self.queue.dead_letter_group(entry_id, group, problem, validation=True)
+        self.queue.put_prompts([prompt])
+        return True
 
     @torch.no_grad()
     def score(self, groups: list[RolloutGroup]) -> dict[str, float]:

@@ -38,7 +38,7 @@ from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
-from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean
+from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean, mismatched_groups
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import StepBatch, generator_logprobs, pad_cat, token_lists
 from reinforce.trainer.distributed import Ranks
@@ -98,7 +98,7 @@ class PPO(Algorithm):
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
         alg = self.spec.algorithm
         start = time.perf_counter()
-        rollout, timers, mismatch = self.rollout(batch, backend)
+        rollout, timers, mismatch, refused = self.rollout(batch, backend, version)
         minibatches = self.minibatches(len(rollout.response_ids), version)
         # a minibatch without a single kept response token gives the critic nothing to learn
         critic_batches = [self.critic_minibatch(rollout, rows) for rows in minibatches if rollout.mask[rows].any()]
@@ -119,6 +119,7 @@ class PPO(Algorithm):
             "train_rollouts/returns": rollout.returns[mask].mean().item(),
             "train_rollouts/values": rollout.values[mask].mean().item(),
             "train_rollouts/logprob_mismatch": mismatch,
+            "train_rollouts/refused_mismatched_groups": float(refused),
             **_mean_of(actor),
             "train_optim/critic_loss": critic_loss,
             "train_optim/critic_grad_norm": critic_grad_norm,
@@ -136,14 +137,17 @@ class PPO(Algorithm):
         return result.critic_loss, result.grad_norm
 
     @torch.no_grad()
-    def rollout(self, batch: StepBatch, backend: TrainerBackend) -> tuple[Rollout, dict[str, float], float]:
-        """Steps 1 and 2: log-probs and values of the whole batch, then rewards, GAE, returns and whitening."""
+    def rollout(
+        self, batch: StepBatch, backend: TrainerBackend, version: int
+    ) -> tuple[Rollout, dict[str, float], float, int]:
+        """Steps 1 and 2: log-probs and values of the whole batch, then rewards, GAE, returns and whitening; also
+        the mean train/inference log-prob gap and how many groups were refused for it (as REINFORCE refuses)."""
         alg, temperature = self.spec.algorithm, self.spec.generation.temperature
         prompt_ids, response_ids = token_lists(batch.groups)
         values_request = None if self.critic is None else self.pool.submit(self.critic.values, prompt_ids, response_ids)
         old, ref, masks = [], [], []
         timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
-        mismatch = TokenStats()
+        mismatch, refused = TokenStats(), []
         micro = self.spec.training.micro_batch_prompts
         for start in range(0, len(batch.groups), micro):
             groups = batch.groups[start : start + micro]
@@ -155,11 +159,16 @@ class PPO(Algorithm):
             timers["timers/init_logprobs"] += old_start - ref_start
             timers["timers/logprobs"] += time.perf_counter() - old_start
             # on-policy: the generator sampled with these very weights, so its log-probs should be the trainer's
-            mismatch.add((generator_logprobs(groups, like=logprobs) - logprobs).abs(), mask)
+            behaviour = generator_logprobs(groups, like=logprobs)
+            mismatch.add((behaviour - logprobs).abs(), mask)
+            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
+            k, limit = alg.num_rollouts_per_prompt, self.spec.training.max_logprob_mismatch
+            refused.append(mismatched_groups(behaviour, logprobs, mask, same_version, k, limit).repeat_interleave(k))
             old.append(logprobs)
             masks.append(mask)
         old_logprobs, ref_logprobs = pad_cat(old), pad_cat(ref)
-        keep = batch.keep.reshape(-1)
+        refused_samples = torch.cat(refused)
+        keep = batch.keep.reshape(-1) & ~refused_samples
         mask = pad_cat(masks) * keep.unsqueeze(-1)
         wait_start = time.perf_counter()
         if values_request is None:  # a tensor peer: the main process's values arrive
@@ -180,7 +189,8 @@ class PPO(Algorithm):
             prompt_ids, response_ids, keep, old_logprobs, mask, actor_samples, actor_mask, kl, values, advantages,
             returns, whitened,
         )  # fmt: skip
-        return rollout, timers, mismatch.mean()
+        num_refused = int(refused_samples.sum()) // alg.num_rollouts_per_prompt
+        return rollout, timers, mismatch.mean(), num_refused
 
     def minibatches(self, num_samples: int, version: int) -> list[Tensor]:
         """Sample indices of every minibatch of every epoch, in order: a permutation per epoch, seeded by the run's
