@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reinforce.core.data import ChatPrompt, DataError, PromptCursor, read_prompt_file
+from reinforce.core.data import ChatPrompt, DataError, PromptCursor, prompt_answer, read_prompt_file
 from reinforce.core.models import build_char_tokenizer, encode_prompt
 from reinforce.core.spec import DataSpec
 
@@ -105,3 +105,26 @@ def test_cursor_fingerprint_sees_the_whole_conversation() -> None:
     state = PromptCursor(a, 0, False).state()
     with pytest.raises(DataError, match="fingerprint"):
         PromptCursor.from_state(b, 0, False, state)
+
+
+def test_a_records_answer_travels_with_its_prompt(tmp_path: Path) -> None:
+    """The `answer` field (a string or a number) of JSON lines, Parquet and datasets rows, for verifiable rewards."""
+    lines = [
+        {"prompt": "2+2?", "answer": 4},
+        {"prompt": CHAT[1], "answer": "hi"},
+        {"prompt": "no answer"},
+    ]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    parquet = _parquet(tmp_path / "p.parquet", {"prompt": ["2+2?", "3+3?"], "answer": ["4", "6"]})
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"prompt": ["2+2?"], "answer": ["4"]}).save_to_disk(str(folder))
+    got = read_prompt_file(jsonl).prompts
+    assert [prompt_answer(p) for p in got] == ["4", "hi", ""]
+    assert got[:2] == ["2+2?", "hello"] and isinstance(got[1], ChatPrompt) and got[1].messages == CHAT[1]
+    assert [prompt_answer(p) for p in read_prompt_file(parquet).prompts] == ["4", "6"]
+    assert [prompt_answer(p) for p in read_prompt_file(folder).prompts] == ["4"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "answer": 1}\n{"prompt": "y", "answer": [1]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: \"answer\" must be a string or a number, got list"):
+        read_prompt_file(bad)

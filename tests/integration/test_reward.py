@@ -111,6 +111,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, fn_dir: Path) -> Iterator[
         "vader": {"type": "vader", "max_batch_size": 8},
         "char": {"type": "python", "function": "reinforce.reward.rewards:char_fraction", "kwargs": {"char": "b"}},
         "flaky": {"type": "python", "function": f"{FN_MODULE}:flaky", "max_batch_size": 4},
+        "math": {"type": "python", "function": "reinforce.reward.rewards:math_answer"},
     }
     found = {name: Server(tmp_path_factory.mktemp(name), reward, fn_dir) for name, reward in rewards.items()}
     # Started together: Triton's start-up is mostly waiting, so three overlap well even on two cores.
@@ -294,6 +295,22 @@ def test_char_fraction_with_kwargs_through_server(servers: dict[str, Server]):
     with client(servers["char"]) as rc:
         assert rc.score(["p"] * 3, ["abba", "", "bbb"]) == pytest.approx([0.5, 0.0, 1.0])
         assert rc.score([], []) == []
+
+
+def test_math_answers_are_checked_against_each_prompts_reference_answer(servers: dict[str, Server]):
+    """The reward server gets each row's reference answer beside the whole response (a trajectory, tools' output
+    included): the last number, or a boxed answer, is compared with it."""
+    responses = [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>\n42\nSo 6 * 7 = 42.',
+        "Boxed: \\boxed{1,000} (the last number, 7, is not the answer)",
+        "It is 41.",
+        "No number at all.",
+    ]
+    with client(servers["math"]) as rc:
+        assert rc.score(["p"] * 4, responses, ["42", "1000", "42", "3"]) == [1.0, 1.0, 0.0, 0.0]
+        # an answer-less prompt is a data error the reward function names, not a silent 0
+        with pytest.raises(RewardFunctionError, match="without a reference answer"):
+            rc.score(["p"], ["42"])
 
 
 def test_nan_and_inf_pass_through_the_server(servers: dict[str, Server]):

@@ -72,3 +72,21 @@ def test_where_the_enqueued_prompt_is_unknown_its_ids_are_still_bounded() -> Non
 def test_a_record_far_larger_than_any_group_of_the_run_is_over_the_byte_cap() -> None:
     cap = max_group_bytes(LIMITS)
     assert good_group().ByteSize() < cap < 200 * 2**20
+
+
+def multi_turn_group() -> RolloutGroup:
+    """Episodes of 16 tokens, the budget: two model turns around a tool's 6-token observation (log-prob 0)."""
+    group = good_group()
+    for sample in group.samples:
+        mask = [True] * 5 + [False] * 6 + [True] * 5
+        sample.token_ids[:] = [7] * 16
+        sample.logprobs[:] = [-0.5 if trained else 0.0 for trained in mask]
+        sample.loss_mask[:] = mask
+    return group
+
+
+def test_a_multi_turn_group_within_the_budget_passes_and_its_mask_must_cover_every_token() -> None:
+    assert group_problem(multi_turn_group(), LIMITS, published=3, enqueued=PROMPT) == ""
+    group = multi_turn_group()
+    group.samples[2].loss_mask.pop()
+    assert "sample 2: a loss mask of 15 entries for 16 tokens" in group_problem(group, LIMITS, 3, PROMPT)

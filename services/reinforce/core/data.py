@@ -30,21 +30,45 @@ OnBadLine = Literal["error", "skip"]  # DataSpec.on_bad_line
 Encoder = Callable[[str], tuple[list[int] | None, bool]]
 
 
-class ChatPrompt(str):
-    """A prompt given as a chat message list: the string is its last user message (what the reward model sees),
-    `messages` the whole list ({role, content}), fed to the chat template as they are. A system message in the
-    list takes the place of data.system_prompt for this prompt."""
+ANSWER_FIELD = "answer"  # a record's reference answer (jsonl key, Parquet or datasets column), for verifiable rewards
 
-    messages: list[dict[str, str]]
 
-    def __new__(cls, messages: list[dict[str, str]]) -> ChatPrompt:
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        prompt = super().__new__(cls, users[-1])
-        prompt.messages = [dict(m) for m in messages]
+class AnsweredPrompt(str):
+    """A prompt with its reference answer (the record's `answer` field), which the reward function checks against."""
+
+    answer: str
+
+    def __new__(cls, text: str, answer: str) -> AnsweredPrompt:
+        prompt = super().__new__(cls, text)
+        prompt.answer = answer
         return prompt
 
     def __reduce__(self) -> tuple:
-        return (ChatPrompt, (self.messages,))
+        return (AnsweredPrompt, (str(self), self.answer))
+
+
+class ChatPrompt(str):
+    """A prompt given as a chat message list: the string is its last user message (what the reward model sees),
+    `messages` the whole list ({role, content}), fed to the chat template as they are. A system message in the
+    list takes the place of data.system_prompt for this prompt. `answer`: the record's reference answer ("": none)."""
+
+    messages: list[dict[str, str]]
+    answer: str
+
+    def __new__(cls, messages: list[dict[str, str]], answer: str = "") -> ChatPrompt:
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = super().__new__(cls, users[-1])
+        prompt.messages = [dict(m) for m in messages]
+        prompt.answer = answer
+        return prompt
+
+    def __reduce__(self) -> tuple:
+        return (ChatPrompt, (self.messages, self.answer))
+
+
+def prompt_answer(prompt: str) -> str:
+    """A prompt's reference answer; "" when its record had none."""
+    return getattr(prompt, "answer", "")
 
 
 @dataclass(frozen=True)
@@ -162,7 +186,19 @@ def _jsonl_prompt(line: str, field: str = "prompt") -> str:
         raise DataError(f"expected a JSON object, got {type(record).__name__}")
     if field not in record:
         raise DataError(f'missing "{field}" field')
-    return _prompt_value(record[field], field)
+    return _with_answer(_prompt_value(record[field], field), record.get(ANSWER_FIELD))
+
+
+def _with_answer(prompt: str, answer: Any) -> str:
+    """The prompt carrying its record's answer (a string or a number: 42 and "42" alike), or as it is without one."""
+    if answer is None:
+        return prompt
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise DataError(f'"{ANSWER_FIELD}" must be a string or a number, got {type(answer).__name__}')
+    answer = str(answer)
+    if isinstance(prompt, ChatPrompt):
+        return ChatPrompt(prompt.messages, answer)
+    return AnsweredPrompt(prompt, answer)
 
 
 def _prompt_value(value: Any, field: str) -> str:
@@ -206,7 +242,7 @@ def _parquet_rows(path: Path, field: str):
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several kinds for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({err})") from None
-    return _column_rows(path, table.column_names, lambda: table.column(field).to_pylist(), field)
+    return _column_rows(path, table.column_names, lambda name: table.column(name).to_pylist(), field)
 
 
 def _dataset_rows(path: Path, field: str):
@@ -221,13 +257,19 @@ def _dataset_rows(path: Path, field: str):
         if list(loaded) != ["train"] and len(loaded) != 1:
             raise DataError(f"{path}: a DatasetDict with splits {list(loaded)}: point at one split's folder")
         loaded = next(iter(loaded.values()))
-    return _column_rows(path, loaded.column_names, lambda: loaded[field], field)
+    return _column_rows(path, loaded.column_names, lambda name: loaded[name], field)
 
 
-def _column_rows(path: Path, columns: list[str], values, field: str):
+def _column_rows(path: Path, columns: list[str], column: Callable[[str], list], field: str):
+    """(row, (prompt value, answer value or None), parser) of every row; `column(name)` reads a column."""
     if field not in columns:
         raise DataError(f"{path}: no column {field!r} (columns: {', '.join(columns)}); set data.prompt_field")
-    return ((row, value, lambda v: _prompt_value(v, field)) for row, value in enumerate(values()))
+    prompts = column(field)
+    answers = column(ANSWER_FIELD) if ANSWER_FIELD in columns else [None] * len(prompts)
+    return (
+        (row, value, lambda v: _with_answer(_prompt_value(v[0], field), v[1]))
+        for row, value in enumerate(zip(prompts, answers, strict=True))
+    )
 
 
 @dataclass

@@ -26,6 +26,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 EPISODES_PATH = "/v1/episodes"
+# A tool call's closing tag: generators stop an assistant turn there and send it (tools.py parses the call).
+TOOL_CALL_CLOSE = "</tool_call>"
 MAX_REQUEST_BYTES = 1 << 20  # a prompt or one assistant turn
 
 

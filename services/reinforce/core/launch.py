@@ -35,7 +35,7 @@ class Service:
 REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
 GENERATOR = Service(
     "reinforce.generator", names.READY_PATH, probe_port_flag="port",
-    credentials=(names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV, names.WEIGHTS_TOKEN_ENV),
+    credentials=(names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV, names.WEIGHTS_TOKEN_ENV, names.ENVIRONMENT_TOKEN_ENV),
 )  # fmt: skip
 TRAINER = Service(
     "reinforce.trainer", None, probe_port_flag="metrics_port",

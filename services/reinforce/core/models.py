@@ -383,19 +383,37 @@ def right_padded(
     return ids, attention
 
 
+class ResponseIds(list):
+    """A response's token ids (a list of ints wherever one is expected) that also says which of them the policy
+    sampled: `trained[t]` is false on the tools' output inside a multi-turn episode (the RolloutGroup's loss_mask).
+
+    The one place that mask takes effect is `response_positions`: such tokens are left out of the [B, T] mask that
+    every log-prob pass returns, so they get no log-prob (0), no gradient, and no loss, KL, advantage or metric,
+    whatever the algorithm. They still condition the tokens after them (they are in the model's input).
+    """
+
+    def __init__(self, ids: list[int], trained: list[bool]) -> None:
+        super().__init__(ids)
+        if len(trained) != len(ids):
+            raise ValueError(f"a loss mask of {len(trained)} entries for {len(ids)} tokens")
+        self.trained = list(trained)
+
+
 def response_positions(
     prompt_ids: list[list[int]], response_ids: list[list[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row, column) of the hidden state predicting each response token, the tokens, and the [B, T] mask."""
+    """(row, column) of the hidden state predicting each trained response token, the tokens, and the [B, T] mask
+    (1.0 on them; every token but a ResponseIds' untrained ones)."""
     width = max((len(r) for r in response_ids), default=0)
     mask = torch.zeros((len(response_ids), width), dtype=torch.float32)
     rows, cols, targets = [], [], []
     for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-        n = len(response)
-        mask[i, :n] = 1.0
-        rows.extend([i] * n)
+        trained = response.trained if isinstance(response, ResponseIds) else [True] * len(response)
+        kept = [t for t, keep in enumerate(trained) if keep]
+        mask[i, kept] = 1.0
+        rows.extend([i] * len(kept))
         # Token t of the response sits at len(prompt) + t and is predicted by the state one to its left.
-        cols.extend(range(len(prompt) - 1, len(prompt) - 1 + n))
-        targets.extend(response)
+        cols.extend(len(prompt) - 1 + t for t in kept)
+        targets.extend(response[t] for t in kept)
     as_long = [torch.tensor(x, dtype=torch.long, device=device) for x in (rows, cols, targets)]
     return as_long[0], as_long[1], as_long[2], mask.to(device)

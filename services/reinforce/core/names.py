@@ -40,6 +40,8 @@ ENVIRONMENT_TOKEN_ENV = "REINFORCE_ENVIRONMENT_TOKEN"  # its API: it checks it, 
 REWARD_MODEL = "reward"
 REWARD_INPUT_PROMPT = "prompt"
 REWARD_INPUT_RESPONSE = "response"
+# Optional: the prompt's reference answer ("" for none); this project's client always sends it.
+REWARD_INPUT_ANSWER = "answer"
 REWARD_OUTPUT = "reward"
 # The server prefixes the error of a failing reward function with this, so that clients do not retry it.
 REWARD_FN_FAILED = "reward function failed"

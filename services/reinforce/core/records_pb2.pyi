@@ -15,7 +15,7 @@ TRAIN: PromptKind
 VALIDATION: PromptKind
 
 class Prompt(_message.Message):
-    __slots__ = ("id", "step", "policy_version", "text", "token_ids", "num_samples", "seed", "kind", "temperature")
+    __slots__ = ("id", "step", "policy_version", "text", "token_ids", "num_samples", "seed", "kind", "temperature", "answer")
     ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class Prompt(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
     id: str
     step: int
     policy_version: int
@@ -34,24 +35,31 @@ class Prompt(_message.Message):
     seed: int
     kind: PromptKind
     temperature: float
-    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., kind: _Optional[_Union[PromptKind, str]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    answer: str
+    def __init__(self, id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., kind: _Optional[_Union[PromptKind, str]] = ..., temperature: _Optional[float] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "reward", "is_end", "text")
+    __slots__ = ("token_ids", "logprobs", "reward", "is_end", "text", "loss_mask", "turns", "tool_calls")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     IS_END_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     reward: float
     is_end: bool
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., is_end: _Optional[bool] = ..., text: _Optional[str] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    turns: int
+    tool_calls: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., is_end: _Optional[bool] = ..., text: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[int] = ..., tool_calls: _Optional[int] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("prompt_id", "step", "policy_version", "prompt_text", "prompt_token_ids", "samples", "generator_id", "generate_seconds", "reward_seconds", "kind")
+    __slots__ = ("prompt_id", "step", "policy_version", "prompt_text", "prompt_token_ids", "samples", "generator_id", "generate_seconds", "reward_seconds", "kind", "answer")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +70,7 @@ class RolloutGroup(_message.Message):
     GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     step: int
     policy_version: int
@@ -72,7 +81,8 @@ class RolloutGroup(_message.Message):
     generate_seconds: float
     reward_seconds: float
     kind: PromptKind
-    def __init__(self, prompt_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generate_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ..., kind: _Optional[_Union[PromptKind, str]] = ...) -> None: ...
+    answer: str
+    def __init__(self, prompt_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generate_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ..., kind: _Optional[_Union[PromptKind, str]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "uri", "sha256", "num_bytes", "published_at")

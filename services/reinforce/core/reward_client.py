@@ -25,6 +25,7 @@ import numpy as np
 
 from reinforce.core.names import (
     REWARD_FN_FAILED,
+    REWARD_INPUT_ANSWER,
     REWARD_INPUT_PROMPT,
     REWARD_INPUT_RESPONSE,
     REWARD_MODEL,
@@ -154,15 +155,19 @@ class RewardClient:
 
     # -- scoring --------------------------------------------------------------------------------------
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-        """One reward per response (NaN and inf come back as the reward function made them)."""
-        if len(prompts) != len(responses):
-            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str] | None = None
+    ) -> list[float]:
+        """One reward per response (NaN and inf come back as the reward function made them). `answers`: each prompt's
+        reference answer (default: none, "")."""
+        answers = [""] * len(prompts) if answers is None else answers
+        if not len(prompts) == len(responses) == len(answers):
+            raise ValueError(f"score: {len(prompts)} prompts, {len(responses)} responses, {len(answers)} answers")
         bounds = [(s, min(s + self.max_batch_size, len(prompts))) for s in range(0, len(prompts), self.max_batch_size)]
         done: dict[int, np.ndarray] = {}
         pending = list(range(len(bounds)))
         for attempt in range(self.max_retries + 1):
-            failures = self._send_round(pending, bounds, prompts, responses, done)
+            failures = self._send_round(pending, bounds, (prompts, responses, answers), done)
             if not failures:
                 break
             pending = [i for i, _ in failures]
@@ -188,12 +193,11 @@ class RewardClient:
         self,
         pending: list[int],
         bounds: list[tuple[int, int]],
-        prompts: Sequence[str],
-        responses: Sequence[str],
+        columns: tuple[Sequence[str], Sequence[str], Sequence[str]],
         done: dict[int, np.ndarray],
     ) -> list[tuple[int, BaseException]]:
         """Send the pending requests concurrently; fill `done`, return the transient failures."""
-        futures = {i: self._pool().submit(self._infer, prompts, responses, *bounds[i]) for i in pending}
+        futures = {i: self._pool().submit(self._infer, columns, *bounds[i]) for i in pending}
         failures: list[tuple[int, BaseException]] = []
         fatal: BaseException | None = None
         # Wait for every request, even after a failure, so that none is left running behind the caller.
@@ -210,12 +214,11 @@ class RewardClient:
             raise error(f"reward server at {self.url}: request failed: {_describe(fatal)}") from fatal
         return failures
 
-    def _infer(self, prompts: Sequence[str], responses: Sequence[str], lo: int, hi: int) -> np.ndarray:
-        """One synchronous request on this worker thread's connection (a fresh one after a failure)."""
-        inputs = [
-            _bytes_input(REWARD_INPUT_PROMPT, prompts[lo:hi]),
-            _bytes_input(REWARD_INPUT_RESPONSE, responses[lo:hi]),
-        ]
+    def _infer(self, columns: tuple[Sequence[str], Sequence[str], Sequence[str]], lo: int, hi: int) -> np.ndarray:
+        """One synchronous request (prompts, responses, answers) on this worker thread's connection (a fresh one
+        after a failure)."""
+        names = (REWARD_INPUT_PROMPT, REWARD_INPUT_RESPONSE, REWARD_INPUT_ANSWER)
+        inputs = [_bytes_input(name, column[lo:hi]) for name, column in zip(names, columns, strict=True)]
         try:
             return self._client().infer(self.model_name, inputs).as_numpy(REWARD_OUTPUT)
         except Exception as err:

@@ -1,7 +1,11 @@
 """The generator: a pull-based worker that samples k responses per prompt, scores them and pushes the group.
 
     python -m reinforce.generator --spec RUN_DIR/spec.yaml --redis-url URL --reward-url URL --port N --id NAME
-        [--host ADDRESS] [--weights-url TRAINER_WEIGHT_ENDPOINT] [--metrics-port N]
+        [--host ADDRESS] [--weights-url TRAINER_WEIGHT_ENDPOINT] [--metrics-port N] [--environment-url URL]
+
+With environment.enabled each sample is a multi-turn episode of the environment service at --environment-url
+(its token from $REINFORCE_ENVIRONMENT_TOKEN): episodes.py. Should the service fail mid-batch (restarted, gone), the
+batch's prompts stay unacknowledged and the whole batch is sampled again: no group is pushed twice or half.
 
 Control plane (FastAPI, on --host:--port): GET /healthz, GET /readyz, GET /metrics (Prometheus; also alone on
 --metrics-port when given, the port a pod opens to Prometheus),
@@ -36,11 +40,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import ParseDict, ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from transformers import AutoConfig
 
 from reinforce.core.bearer import bearer_dependency, read_capped
+from reinforce.core.environment_client import EnvironmentServiceError
 from reinforce.core.metrics import GeneratorMetrics
-from reinforce.core.models import materialize_policy
-from reinforce.core.names import CONTROL_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
+from reinforce.core.models import load_tokenizer, materialize_policy
+from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
@@ -49,10 +55,14 @@ from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.threads import configure_threads
 from reinforce.core.weights import WeightError, WeightSources, load_verified
 from reinforce.generator.engines import build_engine
+from reinforce.generator.engines.base import SampledSequence
+from reinforce.generator.engines.common import eos_token_ids
+from reinforce.generator.episodes import Episode, EpisodeRunner, ObservationFormat
 
 log = logging.getLogger("reinforce.generator")
 # A WeightVersion's JSON is a few hundred bytes; anything much larger is refused (413) before it is read.
 MAX_CONTROL_BODY_BYTES = 64 * 1024
+ENVIRONMENT_RETRY_S = 1.0  # after the environment service failed a batch, before it is sampled again
 
 
 class NotPublished(ValueError):
@@ -81,7 +91,9 @@ class Generator:
         name: str,
         weights_token: str = "",
         weights_url: str | None = None,
+        environment: tuple[str, str] | None = None,
     ) -> None:
+        """`environment`: the environment service's (url, token), needed with environment.enabled."""
         self.spec = spec
         self.name = name
         self.weights_token = weights_token  # the trainer's weight endpoint's (weights.transport http)
@@ -101,6 +113,15 @@ class Generator:
         self.weights = WeightState()
         self.metrics = GeneratorMetrics()
         self.held: list[tuple[str, Prompt]] = []  # prompts waiting for a newer weight version
+        self.episodes = self._episode_runner(paths, environment) if spec.environment.enabled else None
+
+    def _episode_runner(self, paths: RunPaths, environment: tuple[str, str] | None) -> EpisodeRunner:
+        if environment is None:
+            raise ValueError("environment.enabled: the generator needs --environment-url and its token")
+        tokenizer = load_tokenizer(paths.initial_policy)
+        config = AutoConfig.from_pretrained(paths.initial_policy, local_files_only=True)
+        eos = eos_token_ids(paths.initial_policy, config, tokenizer)
+        return EpisodeRunner(self.engine, ObservationFormat(tokenizer, self.spec.data.chat_template, eos), *environment)
 
     # ---- weights -----------------------------------------------------------------------------------
     def request_weights(self, weights: WeightVersion) -> None:
@@ -232,13 +253,25 @@ class Generator:
             options = {"num_samples": first.num_samples, "temperature": temperature}
         else:
             options = {}
-        sampled = self.engine.sample([list(p.token_ids) for p in prompts], [p.seed for p in prompts], **options)
+        try:
+            sampled = self.sample(prompts, options)
+        except EnvironmentServiceError as err:
+            # Nothing of the batch was pushed or acknowledged: its prompts wait and are sampled again whole.
+            log.warning("environment service failed (%s); sampling the batch's %d prompts again", err, len(entries))
+            self.metrics.environment_failures.inc()
+            self.held += entries
+            self.stopping.wait(ENVIRONMENT_RETRY_S)
+            return
         generate_seconds = time.perf_counter() - start
         start = time.perf_counter()
         texts = [s.text for seqs in sampled for s in seqs]
-        rewards = self.score([p.text for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs], texts)
+        rows = [p for p, seqs in zip(prompts, sampled, strict=True) for _ in seqs]
+        rewards = self.score([p.text for p in rows], texts, [p.answer for p in rows])
         reward_seconds = time.perf_counter() - start
         rewards_iter = iter(rewards)
+        for seqs in sampled:
+            for sample in seqs:
+                sample.reward = next(rewards_iter)
         for (entry_id, prompt), seqs in zip(entries, sampled, strict=True):
             group = RolloutGroup(
                 prompt_id=prompt.id,
@@ -248,25 +281,41 @@ class Generator:
                 prompt_token_ids=prompt.token_ids,
                 generator_id=self.name,
                 kind=prompt.kind,
+                answer=prompt.answer,
                 # each group's share of the batch's time, so a step's sum is the generators' busy time
                 generate_seconds=generate_seconds / len(entries),
                 reward_seconds=reward_seconds / len(entries),
-                samples=[
-                    Sample(
-                        token_ids=s.token_ids,
-                        logprobs=s.logprobs,
-                        reward=next(rewards_iter),
-                        is_end=s.is_end,
-                        text=s.text,
-                    )
-                    for s in seqs
-                ],
+                samples=seqs,
             )
             self.queue.put_rollout(group)
             self.queue.ack_prompts([entry_id])  # the group is on the stream: the prompt's work is durable
         self.count(sampled, rewards, generate_seconds, reward_seconds)
 
-    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def sample(self, prompts: list[Prompt], options: dict) -> list[list[Sample]]:
+        """Each prompt's samples (no reward yet): single responses, or episodes with environment.enabled."""
+        if self.episodes is None:
+            sampled = self.engine.sample([list(p.token_ids) for p in prompts], [p.seed for p in prompts], **options)
+            return [[_single_turn(s) for s in seqs] for seqs in sampled]
+        k = options.get("num_samples") or self.spec.algorithm.num_rollouts_per_prompt
+        batch = [(list(p.token_ids), p.text, p.seed) for p in prompts]
+        episodes = self.episodes.run(batch, k, options.get("temperature"))
+        return [[self._episode_sample(e) for e in group] for group in episodes]
+
+    def _episode_sample(self, episode: Episode) -> Sample:
+        self.metrics.episode_turns.observe(episode.turns)
+        self.metrics.tool_calls.inc(episode.tool_calls)
+        return Sample(
+            token_ids=episode.token_ids,
+            logprobs=episode.logprobs,
+            is_end=episode.is_end,
+            # the whole trajectory, tools' output included: what the reward server scores
+            text=self.episodes.observations.tokenizer.decode(episode.token_ids, skip_special_tokens=True),
+            loss_mask=episode.loss_mask,
+            turns=episode.turns,
+            tool_calls=episode.tool_calls,
+        )
+
+    def score(self, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
         """The rewards; NaN for every row of a batch the reward function failed on.
 
         A failing reward function (it raised, or returned the wrong count or type) is a bug in user code that
@@ -274,7 +323,7 @@ class Generator:
         error is logged here and counted. An unreachable server still raises: this generator restarts.
         """
         try:
-            return self.reward.score(prompts, responses)
+            return self.reward.score(prompts, responses, answers)
         except RewardFunctionError as err:
             log.error("reward function failed on %d responses; they get no reward (NaN): %s", len(responses), err)
             self.metrics.reward_failures.inc(len(responses))
@@ -289,6 +338,10 @@ class Generator:
         self.metrics.reward_seconds.inc(reward_s)
         self.metrics.batch_size.observe(len(sequences))
         self.metrics.nonfinite_rewards.inc(sum(not math.isfinite(r) for r in rewards))
+
+
+def _single_turn(s: SampledSequence) -> Sample:
+    return Sample(token_ids=s.token_ids, logprobs=s.logprobs, is_end=s.is_end, text=s.text)
 
 
 def _split_by_sampling(entries: list[tuple[str, Prompt]]) -> list[list[tuple[str, Prompt]]]:
@@ -375,6 +428,9 @@ def main(argv: list[str] | None = None) -> None:
         "--weights-url", help="the run's trainer weight endpoint, http://HOST:PORT (weights.transport http)"
     )
     parser.add_argument("--id", required=True, help="consumer name in the prompts stream's group")
+    parser.add_argument(
+        "--environment-url", help=f"the environment service, http://HOST:PORT (its token: ${ENVIRONMENT_TOKEN_ENV})"
+    )
     args = parser.parse_args(argv)
     token = os.environ.get(CONTROL_TOKEN_ENV)
     if not token:
@@ -383,7 +439,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
     configure_threads()
-    gen = Generator(load_spec(args.spec), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url)
+    environment = (args.environment_url, os.environ.get(ENVIRONMENT_TOKEN_ENV, "")) if args.environment_url else None
+    gen = Generator(
+        load_spec(args.spec), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url, environment
+    )
     config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()

@@ -1,7 +1,9 @@
 """Reward implementations behind one signature, built from a `RewardSpec`.
 
-A reward function maps (prompts, responses) to one float per response. The reward server wraps whatever
-`build_reward_fn` returns; the same function can be called in-process (tests, evaluation).
+A reward function maps (prompts, responses) to one float per response; a user function that takes a parameter
+`answers` also gets each prompt's reference answer (the prompt record's `answer` field, "" where it had none). The
+reward server wraps whatever `build_reward_fn` returns; the same function can be called in-process (tests,
+evaluation). A multi-turn episode's response is its whole trajectory, the tools' output included.
 
 NaN and inf are legal results here: they are passed through unchanged and the trainer decides what to do
 with them. What is not legal is a result of the wrong length or a non-numeric value: that is an error
@@ -11,13 +13,18 @@ naming the function, raised before anything reaches the wire.
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from reinforce.core.spec import RewardSpec
 
-RewardFn = Callable[[list[str], list[str]], list[float]]
+
+class RewardFn(Protocol):
+    def __call__(self, prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list[float]: ...
 
 
 class RewardError(ValueError):
@@ -39,6 +46,47 @@ def char_fraction(prompts: list[str], responses: list[str], char: str = "a") -> 
     return [r.count(char) / len(r) if r else 0.0 for r in responses]
 
 
+# Math answers: a \boxed{...} answer (the last one), else the last number of the response.
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+# thousands separated by commas or not, decimals; a sentence's full stop or comma after it is not part of it
+_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+
+
+def final_answer(response: str) -> str | None:
+    """The response's answer: the content of its last \\boxed{...}, else its last number; None without either."""
+    boxed = _BOXED.findall(response)
+    if boxed:
+        return boxed[-1].strip()
+    numbers_found = _NUMBER.findall(response)
+    return numbers_found[-1] if numbers_found else None
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        value = float(text.replace(",", "").replace(" ", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def same_answer(found: str, reference: str) -> bool:
+    """Equal as numbers (1,000 = 1000.0; tolerance 1e-6 relative) when both are numbers, else as stripped text."""
+    a, b = _as_number(found), _as_number(reference)
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return found.strip() == reference.strip()
+
+
+def math_answer(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """1.0 where the response's final answer (`final_answer`) equals the prompt's reference answer (`same_answer`),
+    else 0.0; a prompt without a reference answer is an error (the data file lacks its `answer` field)."""
+    missing = [i for i, a in enumerate(answers) if not a.strip()]
+    if missing:
+        raise ValueError(f"math_answer: {len(missing)} prompts without a reference answer (their record's `answer`)")
+    found = [final_answer(r) for r in responses]
+    return [float(f is not None and same_answer(f, a)) for f, a in zip(found, answers, strict=True)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # VADER
 
@@ -49,7 +97,7 @@ def vader_reward() -> RewardFn:
 
     analyzer = SentimentIntensityAnalyzer()
 
-    def score(prompts: list[str], responses: list[str]) -> list[float]:
+    def score(prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list[float]:
         return [float(analyzer.polarity_scores(r)["compound"]) for r in responses]
 
     return score
@@ -89,7 +137,7 @@ def hf_classifier_reward(
     max_length = min(max_length, getattr(tokenizer, "model_max_length", max_length) or max_length)
 
     @torch.no_grad()
-    def score(prompts: list[str], responses: list[str]) -> list[float]:
+    def score(prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list[float]:
         out: list[float] = []
         for start in range(0, len(responses), batch_size):
             texts = responses[start : start + batch_size]
@@ -140,8 +188,14 @@ def import_function(ref: str) -> Callable[..., Any]:
 
 def python_reward(ref: str, kwargs: dict[str, Any]) -> RewardFn:
     fn = import_function(ref)
+    try:
+        wants_answers = "answers" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature (a builtin): prompts and responses only
+        wants_answers = False
 
-    def score(prompts: list[str], responses: list[str]) -> list[float]:
+    def score(prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list[float]:
+        if wants_answers:
+            return fn(prompts, responses, answers=answers, **kwargs)
         return fn(prompts, responses, **kwargs)
 
     return score
@@ -153,10 +207,11 @@ def python_reward(ref: str, kwargs: dict[str, Any]) -> RewardFn:
 def checked(fn: RewardFn, name: str) -> RewardFn:
     """Wrap `fn` so that a result other than one real number per response is an error naming `name`."""
 
-    def score(prompts: list[str], responses: list[str]) -> list[float]:
-        if len(prompts) != len(responses):
-            raise RewardError(f"{name}: {len(prompts)} prompts but {len(responses)} responses")
-        return _as_floats(fn(list(prompts), list(responses)), len(responses), name)
+    def score(prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list[float]:
+        answers = [""] * len(prompts) if answers is None else list(answers)
+        if not len(prompts) == len(responses) == len(answers):
+            raise RewardError(f"{name}: {len(prompts)} prompts, {len(responses)} responses, {len(answers)} answers")
+        return _as_floats(fn(list(prompts), list(responses), answers), len(responses), name)
 
     return score
 

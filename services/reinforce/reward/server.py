@@ -3,11 +3,12 @@
     python -m reinforce.reward --spec SPEC.yaml [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
         [--host 127.0.0.1]
 
-Model `reward`: inputs `prompt` and `response` (BYTES, shape (1,) per row), output `reward` (FP32, shape
-(1,)), Triton's dynamic batcher with the spec's `max_batch_size` and `max_queue_delay_us`. Once the model
-is loaded, one line `reward server ready: ...` is logged. Probe `/v2/models/reward/ready`: Triton's
-`/v2/health/ready` already answers 200 for a moment before the model is loaded. SIGTERM and SIGINT stop
-Triton and exit 0; a taken port or a bad spec exits 2 at once.
+Model `reward`: inputs `prompt` and `response` (BYTES, shape (1,) per row) and the optional `answer` (the prompt's
+reference answer; this project's client always sends it, so that a dynamic batch never mixes rows with and without
+it), output `reward` (FP32, shape (1,)), Triton's dynamic batcher with the spec's `max_batch_size` and
+`max_queue_delay_us`. Once the model is loaded, one line `reward server ready: ...` is logged. Probe
+`/v2/models/reward/ready`: Triton's `/v2/health/ready` already answers 200 for a moment before the model is loaded.
+SIGTERM and SIGINT stop Triton and exit 0; a taken port or a bad spec exits 2 at once.
 
 NaN and inf rewards are passed through as they are. An exception in the reward function becomes an error
 response to every request of that dynamic batch (Triton's batch is the unit of failure); the server keeps
@@ -33,6 +34,7 @@ import numpy as np
 from reinforce.core.names import (
     LOCAL_HOST,
     REWARD_FN_FAILED,
+    REWARD_INPUT_ANSWER,
     REWARD_INPUT_PROMPT,
     REWARD_INPUT_RESPONSE,
     REWARD_MODEL,
@@ -96,8 +98,10 @@ def make_infer_fn(reward_fn: RewardFn) -> Any:
     @batch
     def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
         prompt, response = inputs[REWARD_INPUT_PROMPT], inputs[REWARD_INPUT_RESPONSE]
+        answer = inputs.get(REWARD_INPUT_ANSWER)
+        answers = _decode(answer) if answer is not None else [""] * len(prompt)
         try:
-            rewards = reward_fn(_decode(prompt), _decode(response))
+            rewards = reward_fn(_decode(prompt), _decode(response), answers)
         except Exception as err:
             # Raising (not exiting) makes PyTriton answer this batch with an error and keep serving.
             LOG.exception("reward function failed on a batch of %d rows", len(prompt))
@@ -142,6 +146,7 @@ def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> 
         inputs=[
             Tensor(name=REWARD_INPUT_PROMPT, dtype=bytes, shape=(1,)),
             Tensor(name=REWARD_INPUT_RESPONSE, dtype=bytes, shape=(1,)),
+            Tensor(name=REWARD_INPUT_ANSWER, dtype=bytes, shape=(1,), optional=True),
         ],
         outputs=[Tensor(name=REWARD_OUTPUT, dtype=np.float32, shape=(1,))],
         config=ModelConfig(

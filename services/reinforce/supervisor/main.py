@@ -324,6 +324,8 @@ class Supervisor:
             name, port = f"generator-{i}", free_port()
             self.add_scrape_target(COMPONENT_GENERATOR, name, port)
             weights = {"weights_url": launch.weights_url(LOCAL_HOST, self.weights_port)} if self.weights_port else {}
+            if self.environment_url:
+                weights["environment_url"] = self.environment_url
             argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
             self.component(name, argv, self.threads.generator, launch.GENERATOR)
             urls[name] = f"http://127.0.0.1:{port}"

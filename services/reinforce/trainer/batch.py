@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reinforce.core.records_pb2 import RolloutGroup
+from reinforce.core.models import ResponseIds
+from reinforce.core.records_pb2 import RolloutGroup, Sample
 
 
 @dataclass
@@ -17,7 +18,7 @@ class StepBatch:
     rewards: torch.Tensor  # [G, k]
     is_end: torch.Tensor  # [G, k] bool; False also for samples dropped for a non-finite reward
     keep: torch.Tensor  # [G, k] bool; samples that contribute to the loss
-    num_tokens: int  # response tokens of kept samples: the token_mean loss normaliser
+    num_tokens: int  # trained response tokens of kept samples (tools' output is not): the token_mean loss normaliser
     lengths: torch.Tensor  # [G, k] response lengths in tokens
 
     @property
@@ -31,14 +32,31 @@ class StepBatch:
         keep = torch.isfinite(rewards)
         is_end = torch.tensor([[s.is_end for s in g.samples] for g in groups]) & keep
         lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups])
-        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(lengths[keep].sum()), lengths)
+        trained = torch.tensor([[trained_tokens(s) for s in g.samples] for g in groups])
+        return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(trained[keep].sum()), lengths)
 
 
 def token_lists(groups: list[RolloutGroup]) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of every sample of `groups`, one row per sample."""
+    """(prompt ids, response ids) of every sample of `groups`, one row per sample.
+
+    A multi-turn sample's row is a ResponseIds carrying its loss mask: this is where the tools' tokens are folded
+    out of the per-token mask that every backend's log-prob pass returns (models.response_positions), so every
+    algorithm, the KL and the metrics see them as padding.
+    """
     prompts = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
-    responses = [list(s.token_ids) for g in groups for s in g.samples]
+    responses = [_response_ids(s) for g in groups for s in g.samples]
     return prompts, responses
+
+
+def _response_ids(sample: Sample) -> list[int]:
+    if not sample.loss_mask:  # single-turn: every token is the model's
+        return list(sample.token_ids)
+    return ResponseIds(list(sample.token_ids), list(sample.loss_mask))
+
+
+def trained_tokens(sample: Sample) -> int:
+    """The sample's tokens the policy sampled (all but a multi-turn episode's tool output)."""
+    return sum(sample.loss_mask) if sample.loss_mask else len(sample.token_ids)
 
 
 def generator_logprobs(groups: list[RolloutGroup], like: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import hashlib
 
 from transformers import PreTrainedTokenizerBase
 
-from reinforce.core.data import DataCursor
+from reinforce.core.data import DataCursor, prompt_answer
 from reinforce.core.models import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
@@ -60,6 +60,7 @@ class PromptFeeder:
             token_ids=group.prompt_token_ids,
             num_samples=self.spec.algorithm.num_rollouts_per_prompt,
             seed=prompt_seed(self.spec.seed, group.prompt_id),
+            answer=group.answer,
         )
 
     def enqueued(self, prompt_id: str) -> Prompt | None:
@@ -109,6 +110,7 @@ class PromptFeeder:
                     num_samples=k,
                     token_ids=token_ids,
                     seed=prompt_seed(self.spec.seed, prompt_id),
+                    answer=prompt_answer(text),
                 )
             )
         stats = self.data_stats[step]

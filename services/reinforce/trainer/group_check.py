@@ -104,6 +104,9 @@ def _sample_problem(i: int, sample: Sample, limits: GroupLimits) -> str:
         return f"sample {i}: {tokens} response tokens, more than max_new_tokens = {limits.max_response_tokens}"
     if logprobs != tokens:
         return f"sample {i}: {logprobs} log-probs for {tokens} tokens"
+    # multi-turn: one entry per token (the tools' tokens, 0, count against max_new_tokens too); empty: single-turn
+    if sample.loss_mask and len(sample.loss_mask) != tokens:
+        return f"sample {i}: a loss mask of {len(sample.loss_mask)} entries for {tokens} tokens"
     if not all(math.isfinite(x) and x <= LOGPROB_TOLERANCE for x in sample.logprobs):
         return f"sample {i}: a log-prob that is NaN, infinite or above 0"
     return _ids_problem(f"sample {i}", sample.token_ids, limits.vocab_size)

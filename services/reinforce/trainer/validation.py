@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from reinforce.core.data import read_prompt_file
+from reinforce.core.data import prompt_answer, read_prompt_file
 from reinforce.core.models import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup
@@ -68,12 +68,14 @@ class Validator:
         self.stopping = stopping
         texts = read_prompt_file(spec.data.validation_prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
         self.prompts: list[tuple[str, list[int]]] = []
+        self.answers: list[str] = []  # each prompt's reference answer ("": none)
         for text in texts:
             if len(self.prompts) == spec.validation.num_prompts:
                 break
             ids, _ = encode_prompt_checked(tokenizer, text, spec.data)
             if ids is not None:  # on_long_prompt skip: the next one instead
                 self.prompts.append((str(text), ids))
+                self.answers.append(prompt_answer(text))
         self.limits = limits
         self.started: dict[int, float] = {}
         self.enqueued: dict[str, Prompt] = {}  # the validation prompts of evaluations in flight, by id
@@ -100,6 +102,7 @@ class Validator:
                 seed=prompt_seed(self.spec.seed, f"val-{i}"),
                 kind=PromptKind.VALIDATION,
                 temperature=v.temperature,
+                answer=self.answers[i],
             )
             for i, (text, ids) in enumerate(self.prompts)
         ]

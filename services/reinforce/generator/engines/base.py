@@ -9,6 +9,7 @@ re-sampled after a crash repeats itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -40,17 +41,34 @@ class GenerationEngine(ABC):
         seeds: list[int],
         num_samples: int | None = None,
         temperature: float | None = None,
+        max_new_tokens: list[int] | None = None,
+        stop_strings: Sequence[str] = (),
     ) -> list[list[SampledSequence]]:
         """For each prompt (token ids), `num_samples` (default: the engine's k) responses drawn under the prompt's
-        seed at `temperature` (default: generation.temperature; 0: greedy, the likeliest token each time)."""
+        seed at `temperature` (default: generation.temperature; 0: greedy, the likeliest token each time).
+
+        Multi-turn episodes continue from a prompt's ids plus everything so far, one turn per call: `max_new_tokens`
+        is each prompt's own limit (what is left of the episode's budget; default generation.max_new_tokens), and
+        `stop_strings` end a response too, beside generation.stop_strings (a tool call's closing tag)."""
         k = self.num_samples if num_samples is None else num_samples
-        return self._sample(prompts, seeds, k, self.generation.temperature if temperature is None else temperature)
+        limit = self.generation.max_new_tokens
+        limits = [limit] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        if len(limits) != len(prompts) or not all(1 <= n <= limit for n in limits):
+            raise ValueError(f"max_new_tokens: one limit per prompt, each 1 to generation.max_new_tokens ({limit})")
+        generation = self.generation.model_copy(
+            update={
+                "temperature": self.generation.temperature if temperature is None else temperature,
+                "stop_strings": [*self.generation.stop_strings, *stop_strings],
+            }
+        )
+        return self._sample(prompts, seeds, k, generation, limits)
 
     @abstractmethod
     def _sample(
-        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
+        self, prompts: list[list[int]], seeds: list[int], k: int, generation: GenerationSpec, limits: list[int]
     ) -> list[list[SampledSequence]]:
-        """`sample` with its defaults resolved."""
+        """`sample` with its defaults resolved: `generation` carries the temperature and every stop string, `limits`
+        each prompt's max new tokens."""
 
     @abstractmethod
     def load_weights(self, path: Path) -> None:

@@ -125,6 +125,7 @@ class PerSampleRequests:
     num_samples: int  # k
     prompts: list[list[int]]  # each prompt's token ids, k times
     seeds: list[int]  # each sample's own seed
+    limits: list[int]  # each sample's max new tokens (its prompt's)
 
     def grouped(self, sequences: list[SampledSequence]) -> list[list[SampledSequence]]:
         """The engine's answers, one per request, as each prompt's k samples."""
@@ -133,27 +134,39 @@ class PerSampleRequests:
 
 
 def per_sample_requests(
-    prompts: list[list[int]], seeds: list[int], num_samples: int, max_new_tokens: int, max_len: int
+    prompts: list[list[int]], seeds: list[int], num_samples: int, max_new_tokens: int | list[int], max_len: int
 ) -> PerSampleRequests:
     """Checked prompts (check_prompts) as one request per sample, each seeded by `sample_seeds`: an engine's n=k
-    would seed sample i with seed + i, so prompts whose seeds differ by less than k would share draws."""
-    check_prompts(prompts, seeds, max_new_tokens, max_len)
+    would seed sample i with seed + i, so prompts whose seeds differ by less than k would share draws.
+    `max_new_tokens`: one limit for all, or each prompt's own."""
+    limits = _limits(prompts, max_new_tokens)
+    check_prompts(prompts, seeds, limits, max_len)
     return PerSampleRequests(
         num_samples,
         [list(p) for p in prompts for _ in range(num_samples)],
         [s for seed in seeds for s in sample_seeds(seed, num_samples)],
+        [n for n in limits for _ in range(num_samples)],
     )
 
 
-def check_prompts(prompts: list[list[int]], seeds: list[int], max_new_tokens: int, max_len: int) -> None:
-    """What `sample` accepts: one seed per prompt, no empty prompt, prompt + response within the engine's length."""
+def check_prompts(prompts: list[list[int]], seeds: list[int], max_new_tokens: int | list[int], max_len: int) -> None:
+    """What `sample` accepts: one seed per prompt, no empty prompt, prompt + response within the engine's length
+    (`max_new_tokens`: one limit for all, or each prompt's own)."""
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample needs at least one prompt and no empty prompt")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > max_len:
+    longest, new_tokens = max((len(p) + n, n) for p, n in zip(prompts, _limits(prompts, max_new_tokens), strict=True))
+    if longest > max_len:
         raise ValueError(
-            f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the engine's maximum "
-            f"sequence length ({max_len}); lower data.max_prompt_tokens or generation.max_new_tokens"
+            f"longest prompt ({longest - new_tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the engine's "
+            f"maximum sequence length ({max_len}); lower data.max_prompt_tokens or generation.max_new_tokens"
         )
+
+
+def _limits(prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[int]:
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * len(prompts)
+    if len(max_new_tokens) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens limits")
+    return list(max_new_tokens)

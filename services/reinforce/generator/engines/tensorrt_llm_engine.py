@@ -88,16 +88,15 @@ class TensorRTLLMEngine(GenerationEngine):
         self._llm = _start_llm(self.policy_dir, self.dtype, self.max_seq_len, kv_cache_memory_fraction)
 
     def _sample(
-        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
+        self, prompts: list[list[int]], seeds: list[int], k: int, generation: GenerationSpec, limits: list[int]
     ) -> list[list[SampledSequence]]:
         from tensorrt_llm.sampling_params import LogprobMode, SamplingParams
 
-        batch = per_sample_requests(prompts, seeds, k, self.generation.max_new_tokens, self.max_seq_len)
-        generation = self.generation.model_copy(update={"temperature": temperature})
+        batch = per_sample_requests(prompts, seeds, k, limits, self.max_seq_len)
         requests = [{"prompt_token_ids": p} for p in batch.prompts]
         params = []
-        for seed in batch.seeds:
-            kwargs = sampling_kwargs(generation, seed, self.eos_token_ids, self.pad_token_id)
+        for seed, limit in zip(batch.seeds, batch.limits, strict=True):
+            kwargs = sampling_kwargs(generation, seed, self.eos_token_ids, self.pad_token_id, limit)
             mode = LogprobMode.PROCESSED if kwargs.pop("processed_logprobs") else LogprobMode.RAW
             params.append(SamplingParams(**kwargs, logprobs_mode=mode))
         outputs = self._llm.generate(requests, sampling_params=params, use_tqdm=False)
@@ -176,16 +175,19 @@ def cast_for_engine(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def sampling_kwargs(generation: GenerationSpec, seed: int, eos_ids: set[int], pad_id: int | None) -> dict[str, Any]:
+def sampling_kwargs(
+    generation: GenerationSpec, seed: int, eos_ids: set[int], pad_id: int | None, max_tokens: int | None = None
+) -> dict[str, Any]:
     """Keyword arguments of one sample's `tensorrt_llm.SamplingParams`, plus `processed_logprobs` (bool): whether
-    to ask for `LogprobMode.PROCESSED` (temperature, top-k or top-p change the distribution) or `RAW`."""
+    to ask for `LogprobMode.PROCESSED` (temperature, top-k or top-p change the distribution) or `RAW`.
+    `max_tokens`: this sample's limit (default generation.max_new_tokens)."""
     return {
         "n": 1,
         "seed": seed,
         "temperature": generation.temperature,
         "top_k": generation.top_k or None,  # None: off (0 is off in GenerationSpec)
         "top_p": generation.top_p if generation.top_p < 1.0 else None,
-        "max_tokens": generation.max_new_tokens,
+        "max_tokens": generation.max_new_tokens if max_tokens is None else max_tokens,
         "end_id": -1,  # EOS is a stop token instead, so that it stays in the response
         "pad_id": pad_id,
         "stop_token_ids": sorted(eos_ids),

@@ -36,9 +36,9 @@ class TorchEngine(GenerationEngine):
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 
     def _sample(
-        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
+        self, prompts: list[list[int]], seeds: list[int], k: int, generation: GenerationSpec, limits: list[int]
     ) -> list[list[SampledSequence]]:
-        return sample(self.model, self.tokenizer, prompts, k, self.generation, seeds, temperature)
+        return sample(self.model, self.tokenizer, prompts, k, generation, seeds, limits=limits)
 
     def load_weights(self, path: Path) -> None:
         with safe_open(str(path), framework="pt") as f:
@@ -65,14 +65,16 @@ class _Rows:
     logprobs: list[list[float]]
     ended: list[bool]
     active: torch.Tensor  # bool [B]: still sampling
+    limits: list[int]  # each row's max new tokens
 
     @classmethod
-    def start(cls, n: int, device: torch.device) -> _Rows:
+    def start(cls, n: int, device: torch.device, limits: list[int]) -> _Rows:
         return cls(
             [[] for _ in range(n)],
             [[] for _ in range(n)],
             [False] * n,
             torch.ones(n, dtype=torch.bool, device=device),
+            limits,
         )
 
 
@@ -85,15 +87,18 @@ def sample(
     gen: GenerationSpec,
     seeds: list[int],
     temperature: float | None = None,
+    limits: list[int] | None = None,
 ) -> list[list[SampledSequence]]:
     """For each prompt, `num_samples` responses; prompt i's rows draw from a generator seeded by seeds[i].
 
     `temperature` overrides gen.temperature (validation); 0 is greedy: the likeliest token each time, its
-    log-prob recorded from the unscaled distribution.
+    log-prob recorded from the unscaled distribution. `limits`: each prompt's max new tokens (default
+    gen.max_new_tokens); a row that reaches its limit did not end.
     """
     temperature = gen.temperature if temperature is None else temperature
     greedy = temperature == 0
-    _check_inputs(model, prompts, num_samples, gen, seeds)
+    limits = [gen.max_new_tokens] * len(prompts) if limits is None else limits
+    _check_inputs(model, prompts, num_samples, limits, seeds)
     device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     configured_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -102,15 +107,15 @@ def sample(
 
     cache = DynamicCache(config=model.config)
     logits, attention, positions = _prefill(model, prompts, num_samples, pad, cache)
-    rows = _Rows.start(logits.shape[0], device)
-    for step in range(gen.max_new_tokens):
+    rows = _Rows.start(logits.shape[0], device, [n for n in limits for _ in range(num_samples)])
+    for _ in range(max(limits)):
         scaled = logits.float() / (1.0 if greedy else temperature)
         if greedy:
             tokens = scaled.argmax(dim=-1)
         else:
             tokens = _draw(_filter(scaled, gen.top_k, gen.top_p), generators, num_samples)
         _record(rows, tokens, torch.log_softmax(scaled, dim=-1), eos, tokenizer, gen.stop_strings)
-        if not rows.active.any() or step == gen.max_new_tokens - 1:
+        if not rows.active.any():
             break
         # Finished rows are fed pad tokens (masked out) so the batch keeps its shape; nothing is recorded.
         fed = torch.where(rows.active, tokens, torch.full_like(tokens, pad))
@@ -121,17 +126,17 @@ def sample(
 
 
 def _check_inputs(
-    model: PreTrainedModel, prompts: list[list[int]], num_samples: int, gen: GenerationSpec, seeds: list[int]
+    model: PreTrainedModel, prompts: list[list[int]], num_samples: int, limits: list[int], seeds: list[int]
 ) -> None:
-    if len(seeds) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    if len(seeds) != len(prompts) or len(limits) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds and {len(limits)} limits")
     if num_samples < 1 or not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample needs num_samples >= 1 and at least one non-empty prompt")
     limit = model.config.max_position_embeddings
-    longest = max(len(p) for p in prompts)
-    if longest + gen.max_new_tokens > limit:
+    longest, new_tokens = max((len(p) + n, n) for p, n in zip(prompts, limits, strict=True))
+    if longest > limit:
         raise ValueError(
-            f"longest prompt ({longest} tokens) + max_new_tokens ({gen.max_new_tokens}) exceeds the model's "
+            f"longest prompt ({longest - new_tokens} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
             f"max_position_embeddings ({limit}); lower data.max_prompt_tokens or generation.max_new_tokens"
         )
 
@@ -216,6 +221,8 @@ def _record(
         rows.logprobs[r].append(picked[r])
         if is_eos[r] or (stop_strings and _has_stop(tokenizer, rows.tokens[r], stop_strings)):
             rows.ended[r] = True
+            rows.active[r] = False
+        elif len(rows.tokens[r]) == rows.limits[r]:
             rows.active[r] = False
 
 

@@ -104,13 +104,13 @@ class VLLMEngine(GenerationEngine):
         self._llm.collective_rpc("record_unfiltered_logprobs")
 
     def _sample(
-        self, prompts: list[list[int]], seeds: list[int], k: int, temperature: float
+        self, prompts: list[list[int]], seeds: list[int], k: int, generation: GenerationSpec, limits: list[int]
     ) -> list[list[SampledSequence]]:
         from vllm.inputs import TokensPrompt
 
-        batch = per_sample_requests(prompts, seeds, k, self.generation.max_new_tokens, self.max_model_len)
+        batch = per_sample_requests(prompts, seeds, k, limits, self.max_model_len)
         requests = [TokensPrompt(prompt_token_ids=p) for p in batch.prompts]
-        params = [self._sampling_params(seed, temperature) for seed in batch.seeds]
+        params = [self._sampling_params(s, generation, n) for s, n in zip(batch.seeds, batch.limits, strict=True)]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
         return batch.grouped([self._sequence(out.outputs[0]) for out in outputs])
 
@@ -120,16 +120,15 @@ class VLLMEngine(GenerationEngine):
         check_fits(Path(path), self._shapes, self.tie_word_embeddings)
         self._llm.collective_rpc("reload_safetensors", args=(str(path), self.tie_word_embeddings))
 
-    def _sampling_params(self, seed: int, temperature: float) -> SamplingParams:
+    def _sampling_params(self, seed: int, gen: GenerationSpec, max_tokens: int) -> SamplingParams:
         from vllm import SamplingParams
 
-        gen = self.generation
         return SamplingParams(
             seed=seed,
-            temperature=temperature,  # 0: greedy
+            temperature=gen.temperature,  # 0: greedy
             top_p=gen.top_p,
             top_k=gen.top_k,  # 0: off, as in GenerationSpec
-            max_tokens=gen.max_new_tokens,
+            max_tokens=max_tokens,
             stop=list(gen.stop_strings) or None,
             include_stop_str_in_output=True,
             stop_token_ids=sorted(self.eos_token_ids),

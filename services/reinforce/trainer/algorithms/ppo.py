@@ -70,7 +70,8 @@ def token_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, kl_penalty: float) 
     """
     mask = mask.bool()
     lengths = mask.sum(-1)
-    last = (lengths - 1).clamp(min=0).unsqueeze(-1)
+    # the last unmasked position (a multi-turn response's mask has holes where the tools' tokens are)
+    last = torch.where(mask, torch.arange(mask.shape[-1], device=mask.device), 0).amax(-1, keepdim=True)
     # torch.where, not a product: padding may hold inf (the log-ratio of garbage), and inf * 0 = nan.
     per_token = torch.where(mask, -kl_penalty * kl, 0.0)
     score = torch.where(lengths > 0, rewards.to(per_token.dtype), 0.0).unsqueeze(-1)

@@ -1,0 +1,105 @@
+"""Multi-turn episodes (generator/episodes.py) against a real environment service process, sampled by the real torch
+engine from a tiny character-level policy fitted to one tool-using trajectory (so that greedy decoding calls the
+calculator, reads its answer and answers): what the sample records, token by token, is checked against the text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforce.core.environment_client import EnvironmentServiceError
+from reinforce.core.models import build_char_tokenizer, load_policy, load_tokenizer, materialize_policy
+from reinforce.core.spec import GenerationSpec, PolicySpec, RandomInit
+from reinforce.generator.engines.torch_engine import TorchEngine
+from reinforce.generator.episodes import PLAIN_FORMAT, Episode, EpisodeRunner, ObservationFormat
+from tests.integration.test_environment import TOKEN, Server, start_server
+
+VOCAB = "abcdefghijklmnopqrstuvwxyz0123456789 .,:+*=\"'{}[]<>/_-?\n"
+PROMPT = "what is 2+3?"
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+OBSERVATION = PLAIN_FORMAT[0] + "5" + PLAIN_FORMAT[1]
+ANSWER = "it is 5."
+
+
+def fitted_policy(folder: Path) -> Path:
+    """A tiny policy trained on PROMPT -> CALL, the calculator's answer, ANSWER, EOS until greedy decoding repeats it
+    (a few seconds): a real model that uses a tool."""
+    init = RandomInit(vocab=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
+    materialize_policy(PolicySpec(random_init=init), folder, seed=0)
+    tokenizer, model = load_tokenizer(folder), load_policy(folder)
+    ids = tokenizer.encode(PROMPT) + tokenizer.encode(CALL + OBSERVATION + ANSWER, add_special_tokens=False)
+    ids = torch.tensor([[*ids, tokenizer.eos_token_id]])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(400):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.01:
+            break
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fitted_policy(tmp_path_factory.mktemp("multi-turn") / "policy")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("environment"))
+    yield s
+    s.process.terminate()
+    s.process.wait(10)
+
+
+def run_episodes(policy: Path, url: str, max_new_tokens: int, k: int = 2) -> list[Episode]:
+    engine = TorchEngine(policy, GenerationSpec(max_new_tokens=max_new_tokens), num_samples=k)
+    tokenizer = load_tokenizer(policy)
+    observations = ObservationFormat(tokenizer, chat_template=False, eos_ids={tokenizer.eos_token_id})
+    runner = EpisodeRunner(engine, observations, url, TOKEN)
+    prompt_ids = tokenizer.encode(PROMPT)
+    [episodes] = runner.run([(prompt_ids, PROMPT, 11)], k=k, temperature=0)
+    return episodes
+
+
+def decoded(episode: Episode, trained: bool) -> str:
+    tokenizer = build_char_tokenizer(VOCAB)
+    ids = [t for t, m in zip(episode.token_ids, episode.loss_mask, strict=True) if m == trained]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_an_episode_calls_the_tool_reads_its_answer_and_the_mask_follows_the_text(policy: Path, server: Server) -> None:
+    for episode in run_episodes(policy, server.url, max_new_tokens=160):
+        assert (episode.turns, episode.tool_calls, episode.is_end) == (2, 1, True)
+        # the model's tokens are its two turns; the tools' are the calculator's rendered answer, "5"
+        assert decoded(episode, trained=True) == CALL + ANSWER
+        assert decoded(episode, trained=False) == OBSERVATION
+        first_tool = episode.loss_mask.index(False)
+        assert build_char_tokenizer(VOCAB).decode(episode.token_ids[:first_tool]) == CALL
+        assert all(lp == 0.0 for lp, m in zip(episode.logprobs, episode.loss_mask, strict=True) if not m)
+        assert all(lp < 0.0 for lp, m in zip(episode.logprobs, episode.loss_mask, strict=True) if m)
+        assert len(episode.token_ids) == len(episode.logprobs) == len(episode.loss_mask)
+
+
+def test_the_budget_counts_the_tools_tokens_too(policy: Path, server: Server) -> None:
+    """max_new_tokens is the whole response's: an observation that does not fit is cut, and the episode did not end."""
+    budget = len(CALL) + 5
+    for episode in run_episodes(policy, server.url, max_new_tokens=budget, k=1):
+        assert len(episode.token_ids) == budget and not episode.is_end
+        assert episode.loss_mask == [True] * len(CALL) + [False] * 5
+        assert decoded(episode, trained=False) == OBSERVATION[:5]
+
+
+def test_a_service_that_is_gone_fails_the_batch(policy: Path, tmp_path: Path) -> None:
+    """The generator redoes the whole batch then (worker.py): no episode is half recorded."""
+    gone = start_server(tmp_path)
+    gone.process.kill()
+    gone.process.wait(10)
+    with pytest.raises(EnvironmentServiceError):
+        run_episodes(policy, gone.url, max_new_tokens=160)
+
