@@ -11,11 +11,15 @@ import pytest
 import torch
 
 from reinforce.core.environment_client import EnvironmentServiceError
+from reinforce.core.metrics import read_metrics
 from reinforce.core.models import build_char_tokenizer, load_policy, load_tokenizer, materialize_policy
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.samples import read_samples, sample_steps
 from reinforce.core.spec import GenerationSpec, PolicySpec, RandomInit
 from reinforce.generator.engines.torch_engine import TorchEngine
 from reinforce.generator.episodes import PLAIN_FORMAT, Episode, EpisodeRunner, ObservationFormat
 from tests.integration.test_environment import TOKEN, Server, start_server
+from tests.runs import assert_each_step_trained_once, assert_reward_rose, reinforce, write_spec
 
 VOCAB = "abcdefghijklmnopqrstuvwxyz0123456789 .,:+*=\"'{}[]<>/_-?\n"
 PROMPT = "what is 2+3?"
@@ -67,6 +71,18 @@ def run_episodes(policy: Path, url: str, max_new_tokens: int, k: int = 2) -> lis
     return episodes
 
 
+def tool_segments(text: str) -> list[str]:
+    """Each rendered observation in a response's text: from its opening to its closing, or to the text's end where the
+    budget cut it."""
+    segments, start = [], text.find(PLAIN_FORMAT[0])
+    while start >= 0:
+        end = text.find(PLAIN_FORMAT[1], start)
+        end = len(text) if end < 0 else end + len(PLAIN_FORMAT[1])
+        segments.append(text[start:end])
+        start = text.find(PLAIN_FORMAT[0], end)
+    return segments
+
+
 def decoded(episode: Episode, trained: bool) -> str:
     tokenizer = build_char_tokenizer(VOCAB)
     ids = [t for t, m in zip(episode.token_ids, episode.loss_mask, strict=True) if m == trained]
@@ -103,3 +119,31 @@ def test_a_service_that_is_gone_fails_the_batch(policy: Path, tmp_path: Path) ->
     with pytest.raises(EnvironmentServiceError):
         run_episodes(policy, gone.url, max_new_tokens=160)
 
+
+@pytest.mark.slow
+def test_tiny_tools_example_learns_to_call_the_calculator(tmp_path: Path) -> None:
+    """examples/tiny-tools.yaml through the real processes (environment service included): the reward, the record's
+    answer checked against the trajectory's last number, rises, and in the samples the trainer kept, the tools'
+    tokens (loss mask 0) are exactly the calculator's rendered answers in the text."""
+    result = reinforce("run", str(write_spec(tmp_path, "tiny-tools")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths = RunPaths(tmp_path / "run")
+    rows = read_metrics(paths.metrics)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert_reward_rose(rows, by=0.2)
+    assert rows[0]["train_rollouts/dropped_nonfinite_rewards"] == 0  # every prompt's answer reached the reward
+    assert_each_step_trained_once(tmp_path / "run", steps=30)
+    samples = [row for step in sample_steps(paths) for row in read_samples(paths, step)]
+    called = [s for s in samples if s["tool_calls"] > 0]
+    assert called
+    answer = PLAIN_FORMAT[0] + "81" + PLAIN_FORMAT[1]  # the calculator's, as the generator renders it
+    for sample in called:
+        text, segments = sample["response"], tool_segments(sample["response"])
+        assert all(answer.startswith(segment) for segment in segments)  # a character is a token
+        # the budget may cut the last answer inside its opening, which tool_segments does not see: it ends the text
+        cut = sample["tool_tokens"] - sum(map(len, segments))
+        assert cut >= 0 and len(segments) + (cut > 0) == sample["tool_calls"]
+        if cut:
+            assert not sample["is_end"] and sample["response_tokens"] == 48 and text.endswith(answer[:cut])
+        assert sample["turns"] in (1, 2)
+    assert all(s["tool_tokens"] == 0 for s in samples if s["tool_calls"] == 0)

@@ -138,8 +138,9 @@ def _plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     return plain
 
 
-def build_char_tokenizer(vocab: str) -> PreTrainedTokenizerFast:
-    """One token per character of `vocab` plus <pad>, <s>, </s>, <unk>; BOS is prepended on encode."""
+def build_char_tokenizer(vocab: str, tokens: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """One token per character of `vocab` plus <pad>, <s>, </s>, <unk>, then one per string of `tokens` (matched
+    whole, before the characters); BOS is prepended on encode."""
     chars = list(dict.fromkeys(vocab))  # unique, order kept so ids are stable
     ids = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
     core = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
@@ -149,13 +150,15 @@ def build_char_tokenizer(vocab: str) -> PreTrainedTokenizerFast:
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", ids["<s>"])]
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    tokenizer.add_tokens(list(tokens or []))
+    return tokenizer
 
 
 def _random_policy(init: RandomInit, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = build_char_tokenizer(init.vocab)
+    tokenizer = build_char_tokenizer(init.vocab, init.tokens)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=init.hidden_size,

@@ -77,6 +77,8 @@ def format_sample(row: dict[str, Any], max_chars: int | None = None) -> str:
         f"advantage {_number(row['advantage'], '+.4f')}  KL {_number(row['kl'], '.4f')}  "
         f"{row['response_tokens']} tokens ({ended})"
     )
+    if "turns" in row:  # a multi-turn episode
+        head += f", {row['turns']} turns, {row['tool_calls']} tool calls ({row['tool_tokens']} tools' tokens)"
     return f"{head}\n  prompt:   {_quoted(row['prompt'], max_chars)}\n  response: {_quoted(row['response'], max_chars)}"
 
 

@@ -55,6 +55,11 @@ class RandomInit(_Section):
     """A tiny randomly initialised Llama with a character-level tokenizer (tests, `tiny.yaml`)."""
 
     vocab: str = Field("abcdefghijklmnopqrstuvwxyz .,!?", min_length=2, description="Characters of the tokenizer.")
+    tokens: list[str] = Field(
+        default_factory=list,
+        description="Whole tokens besides the characters, each one token however long (a tool call in one token "
+        "lets a tiny random policy find it: examples/tiny-tools.yaml).",
+    )
     hidden_size: int = Field(32, ge=8, description="Model width.")
     intermediate_size: int = Field(64, ge=8, description="MLP width.")
     num_layers: int = Field(2, ge=1, description="Transformer layers.")

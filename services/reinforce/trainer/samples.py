@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from reinforce.core.records_pb2 import Sample
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import pick_samples, write_samples
 from reinforce.core.spec import RunSpec
@@ -51,6 +52,18 @@ def sample_rows(step: int, batch: StepBatch, values: SampleValues | None, n: int
                 "kl": values.kl[i].item() if trained else None,
                 "response_tokens": len(sample.token_ids),
                 "is_end": sample.is_end,
+                **_episode_columns(sample),
             }
         )
     return rows
+
+
+def _episode_columns(sample: Sample) -> dict[str, int]:
+    """A multi-turn sample's turns, tool calls and the tools' tokens in `response` (not trained: loss mask 0)."""
+    if not sample.loss_mask:
+        return {}
+    return {
+        "turns": sample.turns,
+        "tool_calls": sample.tool_calls,
+        "tool_tokens": len(sample.loss_mask) - sum(sample.loss_mask),
+    }
