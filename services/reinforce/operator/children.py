@@ -49,6 +49,7 @@ from reinforce.core.names import (
     CONTROL_TOKEN_ENV,
     CRITIC_PORT,
     CRITIC_TOKEN_ENV,
+    ENVIRONMENT_TOKEN_ENV,
     HEALTH_PATH,
     K8S_COMPONENT_LABEL,
     K8S_INSTANCE_LABEL,
@@ -81,7 +82,12 @@ RUN_DIR = f"{DATA_DIR}/run"
 SPEC_FILE = f"{SPEC_DIR}/spec.yaml"
 REDIS_URL_KEY = "url"  # the key of the Secret holding a redis:// URL (the run's own or an external one)
 # The keys of Secret R-secrets holding each token, by the environment variable services read it from
-SECRET_KEYS = {CONTROL_TOKEN_ENV: "control-token", WEIGHTS_TOKEN_ENV: "weights-token", CRITIC_TOKEN_ENV: "critic-token"}
+SECRET_KEYS = {
+    CONTROL_TOKEN_ENV: "control-token",
+    WEIGHTS_TOKEN_ENV: "weights-token",
+    CRITIC_TOKEN_ENV: "critic-token",
+    ENVIRONMENT_TOKEN_ENV: "environment-token",
+}
 REDIS_CONFIG_DIR = "/run/redis"  # an in-memory emptyDir: the config file holding Redis' password
 # The images' user (services/reinforce/core/Dockerfile); also the group that owns the volumes (fsGroup).
 RUN_AS_USER = 1000
@@ -276,7 +282,7 @@ def secrets_secret(run: Run) -> dict[str, Any]:
     """Fresh random values: the operator creates this once and never replaces it (see CREATE_ONLY). One token per
     capability (SECRET_KEYS); each pod's environment takes only its service's (launch.Service.credentials)."""
     values = {
-        key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if name != CRITIC_TOKEN_ENV or run.ppo
+        key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if _needs(run, name)
     }
     if run.spec.kubernetes.external_redis_secret is None:
         password = secrets.token_urlsafe(24)
@@ -334,6 +340,13 @@ def _env_from_secret(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
+def _needs(run: Run, credential: str) -> bool:
+    """Whether the run has the service a credential opens: a critic (ppo), an environment service."""
+    if credential == CRITIC_TOKEN_ENV:
+        return run.ppo
+    return credential != ENVIRONMENT_TOKEN_ENV or run.spec.environment.enabled
+
+
 def _service_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
     """The service's credentials from the run's Secrets, and nothing else secret, then the plain settings."""
     credentials = [
@@ -341,7 +354,7 @@ def _service_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
         if name == REDIS_URL_ENV
         else _env_from_secret(name, run.child("secrets"), SECRET_KEYS[name])
         for name in service.credentials
-        if name != CRITIC_TOKEN_ENV or run.ppo
+        if _needs(run, name)
     ]
     return [
         *credentials,

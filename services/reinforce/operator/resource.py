@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from reinforce.core.spec import RunSpec, SpecError, _Section, format_validation_error, respell
 from reinforce.operator.podtemplate import validate_template
@@ -108,6 +108,13 @@ class ReinforceRunSpec(RunSpec):
         "kubernetes.queueName (a queued run waits to be admitted: set false to start it).",
     )
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
+
+    @model_validator(mode="after")
+    def _no_environment_service_yet(self) -> ReinforceRunSpec:
+        # The operator renders no environment Deployment yet: multi-turn runs with tools run under `reinforce run`.
+        if self.environment.enabled:
+            raise ValueError("environment.enabled: the environment service does not run on Kubernetes yet")
+        return self
 
     @property
     def suspended(self) -> bool:

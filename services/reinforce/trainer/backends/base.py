@@ -10,6 +10,7 @@ and saves and loads its checkpoint state.
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
@@ -79,7 +80,7 @@ class TrainerBackend(ABC):
         else:
             self.zero_grad()
             self.skipped_nonfinite_steps += 1
-        self.scheduler.step()
+        self._advance_schedule()
         return grad_norm.item(), lr
 
     def skip_step(self) -> float:
@@ -87,8 +88,15 @@ class TrainerBackend(ABC):
         as in `step_if_finite`. The step's learning rate."""
         lr = self.scheduler.get_last_lr()[0]
         self.zero_grad()
-        self.scheduler.step()
+        self._advance_schedule()
         return lr
+
+    def _advance_schedule(self) -> None:
+        # A schedule stepped with no optimizer step before it makes torch warn that a learning rate may be skipped:
+        # LambdaLR computes each step's rate from the step count alone, so none is, and skipping is the point here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            self.scheduler.step()
 
     @abstractmethod
     def publishable_model(self) -> torch.nn.Module | None:
