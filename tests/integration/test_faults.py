@@ -2,11 +2,14 @@
 still ends with every step trained exactly once; a killed trainer resumes to bit-identical weights. PPO runs
 (examples/tiny-ppo.yaml) survive their critic's death and a kill of the whole process tree, bit-identically."""
 
+import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from reinforce.core.metrics import read_metrics
@@ -156,3 +159,35 @@ def test_killed_ppo_run_resumes_to_identical_weights(tmp_path, tiny_ppo_baseline
     assert_each_step_trained_once(run_dir, STEPS)
     critic = [r["train_optim/critic_loss"] for r in read_metrics(RunPaths(run_dir).metrics)]
     assert critic == [r["train_optim/critic_loss"] for r in read_metrics(RunPaths(tiny_ppo_baseline).metrics)]
+
+
+def test_killed_environment_service_is_restarted_and_its_groups_redone(tmp_path):
+    """kill -9 the environment service of a multi-turn run (examples/tiny-tools.yaml): the supervisor restarts it on
+    its port; a generator whose batch it broke (its episodes are gone) samples the whole batch again, so every step
+    still trains once on its own prompts."""
+    proc = start("run", str(write_spec(tmp_path, "tiny-tools", training=SHORT)))
+    run_dir = tmp_path / "run"
+    wait_for_step(proc, run_dir, 3)
+    wait_for_open_episodes(run_dir)  # mid-batch: a generator's episodes are open
+    os.kill(service_pids(run_dir, "reinforce.environment")[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "component environment exited with code -9; restart 1 of 3" in stderr
+    assert "environment service failed" in (run_dir / "logs" / "generator-0.log").read_text()
+    assert_each_step_trained_once(run_dir, STEPS)
+
+
+def wait_for_open_episodes(run_dir: Path, timeout_s: float = 60) -> None:
+    """Until the environment service (its address from RUN_DIR/prometheus_targets.json) has an episode open."""
+    targets = json.loads((run_dir / "prometheus_targets.json").read_text())
+    [address] = [t["targets"][0] for t in targets if t["labels"]["component"] == "environment"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"http://{address}/metrics").text
+        if any(
+            line.startswith("reinforce_environment_open_episodes ") and float(line.split()[1]) > 0
+            for line in metrics.splitlines()
+        ):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no episode open in {timeout_s}s")

@@ -4,6 +4,7 @@ calculator, reads its answer and answers): what the sample records, token by tok
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,24 +19,31 @@ from reinforce.core.samples import read_samples, sample_steps
 from reinforce.core.spec import GenerationSpec, PolicySpec, RandomInit
 from reinforce.generator.engines.torch_engine import TorchEngine
 from reinforce.generator.episodes import PLAIN_FORMAT, Episode, EpisodeRunner, ObservationFormat
-from tests.integration.test_environment import TOKEN, Server, start_server
+from tests.integration.test_environment import TIME_LIMIT_S, TOKEN, Server, start_server
 from tests.runs import assert_each_step_trained_once, assert_reward_rose, reinforce, write_spec
 
-VOCAB = "abcdefghijklmnopqrstuvwxyz0123456789 .,:+*=\"'{}[]<>/_-?\n"
+VOCAB = "abcdefghijklmnopqrstuvwxyzT0123456789 .,:+*=\"'{}[]<>/_-?`\n"
 PROMPT = "what is 2+3?"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
 OBSERVATION = PLAIN_FORMAT[0] + "5" + PLAIN_FORMAT[1]
 ANSWER = "it is 5."
+TOOL_USE = CALL + OBSERVATION + ANSWER
+# A program that never ends, in a turn that ends with EOS; the environment's test server stops it after 3 s.
+HANG_PROMPT = "loop?"
+HANG = "```python\nwhile True: pass\n```"
+TIMEOUT = PLAIN_FORMAT[0] + f"[timeout after {TIME_LIMIT_S:g} s]" + PLAIN_FORMAT[1]
 
 
-def fitted_policy(folder: Path) -> Path:
-    """A tiny policy trained on PROMPT -> CALL, the calculator's answer, ANSWER, EOS until greedy decoding repeats it
+def fitted_policy(folder: Path, prompt: str = PROMPT, response: tuple[str | None, ...] = (TOOL_USE, None)) -> Path:
+    """A tiny policy trained on `prompt` -> `response` (its texts, None for EOS) until greedy decoding repeats it
     (a few seconds): a real model that uses a tool."""
     init = RandomInit(vocab=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
     materialize_policy(PolicySpec(random_init=init), folder, seed=0)
     tokenizer, model = load_tokenizer(folder), load_policy(folder)
-    ids = tokenizer.encode(PROMPT) + tokenizer.encode(CALL + OBSERVATION + ANSWER, add_special_tokens=False)
-    ids = torch.tensor([[*ids, tokenizer.eos_token_id]])
+    ids = tokenizer.encode(prompt)
+    for part in response:
+        ids += [tokenizer.eos_token_id] if part is None else tokenizer.encode(part, add_special_tokens=False)
+    ids = torch.tensor([ids])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(400):
         loss = model(input_ids=ids, labels=ids).loss
@@ -61,13 +69,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s.process.wait(10)
 
 
-def run_episodes(policy: Path, url: str, max_new_tokens: int, k: int = 2) -> list[Episode]:
+def run_episodes(policy: Path, url: str, max_new_tokens: int, k: int = 2, prompt: str = PROMPT) -> list[Episode]:
     engine = TorchEngine(policy, GenerationSpec(max_new_tokens=max_new_tokens), num_samples=k)
     tokenizer = load_tokenizer(policy)
     observations = ObservationFormat(tokenizer, chat_template=False, eos_ids={tokenizer.eos_token_id})
     runner = EpisodeRunner(engine, observations, url, TOKEN)
-    prompt_ids = tokenizer.encode(PROMPT)
-    [episodes] = runner.run([(prompt_ids, PROMPT, 11)], k=k, temperature=0)
+    [episodes] = runner.run([(tokenizer.encode(prompt), prompt, 11)], k=k, temperature=0)
     return episodes
 
 
@@ -109,6 +116,15 @@ def test_the_budget_counts_the_tools_tokens_too(policy: Path, server: Server) ->
         assert len(episode.token_ids) == budget and not episode.is_end
         assert episode.loss_mask == [True] * len(CALL) + [False] * 5
         assert decoded(episode, trained=False) == OBSERVATION[:5]
+
+
+def test_a_hanging_tool_is_cut_at_its_time_limit_and_the_model_reads_timeout(tmp_path: Path, server: Server) -> None:
+    policy = fitted_policy(tmp_path / "policy", HANG_PROMPT, (HANG, None, TIMEOUT, "stuck.", None))
+    start = time.monotonic()
+    [episode] = run_episodes(policy, server.url, max_new_tokens=120, k=1, prompt=HANG_PROMPT)
+    assert TIME_LIMIT_S <= time.monotonic() - start < TIME_LIMIT_S + 30
+    assert decoded(episode, trained=True).startswith(HANG) and episode.tool_calls == 1
+    assert decoded(episode, trained=False) == TIMEOUT
 
 
 def test_a_service_that_is_gone_fails_the_batch(policy: Path, tmp_path: Path) -> None:
