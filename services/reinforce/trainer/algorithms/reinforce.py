@@ -68,7 +68,14 @@ from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStat
 from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import SumOverRanks, clipped_surrogate, local_sum
 from reinforce.trainer.backends.base import TrainerBackend
-from reinforce.trainer.batch import StepBatch, generator_logprobs, pad_cat, token_lists
+from reinforce.trainer.batch import (
+    StepBatch,
+    generator_logprobs,
+    in_order,
+    micro_batches,
+    packing_metrics,
+    token_lists,
+)
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -249,11 +256,12 @@ def token_advantages(
 
 
 class Reinforce(Algorithm):
-    """One pass over the step's groups, micro-batched by whole groups (the group estimators need them).
+    """One pass over the step's groups, micro-batched by token budget in whole groups (the group estimators need
+    them, and a group sampled by other weights is refused whole).
 
     reinforce_plus_plus whitens over the whole step's batch, which no micro-batch sees: a first pass without
-    gradient computes its advantages from the step's log-probs (the weights do not change before the step's one
-    optimizer step), then the optimisation pass uses them.
+    gradient, packed by sequence, computes its advantages from the step's log-probs (the weights do not change
+    before the step's one optimizer step), then the optimisation pass uses them.
     """
 
     name = "reinforce"
@@ -269,25 +277,25 @@ class Reinforce(Algorithm):
         backend.zero_grad()
         # N and S of every rank's batch
         normalizer = step_normalizer(self.spec, self.ranks.sum(batch.num_tokens), self.ranks.sum(batch.num_samples))
-        kl_all, advantage_means, loss_total, refused_groups = [], [], 0.0, 0
+        loss_total, refused_groups = 0.0, 0
         advantages_abs, mismatch, weights, clipped = TokenStats(), TokenStats(), TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
-        for start in range(0, len(batch.groups), t.micro_batch_prompts):
-            rows = slice(start, start + t.micro_batch_prompts)
-            groups = batch.groups[rows]
-            prompt_ids, response_ids = token_lists(groups)
+        kl, advantage_means = torch.zeros(batch.keep.numel()), torch.zeros(batch.keep.numel())
+        parts = micro_batches(*token_lists(batch.groups), t, k, whole_groups=True)
+        for part in parts:
+            rows = part.groups(k)
             if whole_batch is None:
                 ref_start = time.perf_counter()
-                ref_logprobs = backend.reference_logprobs(prompt_ids, response_ids, temperature)
+                ref_logprobs = backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature)
                 ref_seconds += time.perf_counter() - ref_start
-            logprobs, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
+            logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
             if whole_batch is None:
                 adv = self.advantages(
                     rewards[rows], logprobs, ref_logprobs, mask, self.baseline_members(batch)[rows], batch.keep[rows]
                 )
             else:
-                samples = slice(start * k, (start + len(groups)) * k)
-                adv = TokenAdvantages(whole_batch.kl[samples], whole_batch.advantages[samples, : mask.shape[1]])
+                adv = TokenAdvantages(whole_batch.kl[part.rows], whole_batch.advantages[part.rows, : mask.shape[1]])
+            groups = [batch.groups[i] for i in rows.tolist()]
             behaviour = generator_logprobs(groups, like=logprobs)
             same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
             refused = mismatched_groups(behaviour, logprobs, mask, same_version, k, t.max_logprob_mismatch)
@@ -299,12 +307,11 @@ class Reinforce(Algorithm):
             # train/inference mismatch: only where the generator had the very weights being trained
             mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
             advantages_abs.add(adv.advantages.abs(), loss_mask)
-            kl_all.append(adv.kl)
-            advantage_means.append(masked_mean(adv.advantages, mask))
+            kl[part.rows] = adv.kl
+            advantage_means[part.rows] = masked_mean(adv.advantages, mask)
         grad_norm, lr = backend.optimizer_step()
         keep = batch.keep.reshape(-1)
-        kl = torch.cat(kl_all)
-        self.sample_values = SampleValues(kl, torch.cat(advantage_means))
+        self.sample_values = SampleValues(kl, advantage_means)
         return {
             "train_rollouts/init_policy_kl": kl[keep].mean().item(),
             "train_rollouts/rewards_with_kl": (rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl)[keep]
@@ -323,6 +330,7 @@ class Reinforce(Algorithm):
             "train_optim/lr": lr,
             "timers/init_logprobs": ref_seconds,
             "timers/train_time": time.perf_counter() - train_start - ref_seconds,
+            **packing_metrics(parts),
         }
 
     def loss(
@@ -370,17 +378,22 @@ class Reinforce(Algorithm):
         self, batch: StepBatch, rewards: Tensor, backend: TrainerBackend
     ) -> tuple[TokenAdvantages, float]:
         """The advantages of every sample of the step ([B, T] over the whole batch), and the reference's seconds."""
-        temperature, micro = self.spec.generation.temperature, self.spec.training.micro_batch_prompts
+        temperature, k = self.spec.generation.temperature, self.spec.algorithm.num_rollouts_per_prompt
         logprobs, ref_logprobs, masks, ref_seconds = [], [], [], 0.0
-        for start in range(0, len(batch.groups), micro):
-            prompt_ids, response_ids = token_lists(batch.groups[start : start + micro])
+        parts = micro_batches(*token_lists(batch.groups), self.spec.training, k, whole_groups=False)
+        for part in parts:
             ref_start = time.perf_counter()
-            ref_logprobs.append(backend.reference_logprobs(prompt_ids, response_ids, temperature))
+            ref_logprobs.append(backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature))
             ref_seconds += time.perf_counter() - ref_start
-            current, mask = backend.policy_logprobs(prompt_ids, response_ids, temperature)
+            current, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
             logprobs.append(current)
             masks.append(mask)
         advantages = self.advantages(
-            rewards, pad_cat(logprobs), pad_cat(ref_logprobs), pad_cat(masks), self.baseline_members(batch), batch.keep
+            rewards,
+            in_order(logprobs, parts),
+            in_order(ref_logprobs, parts),
+            in_order(masks, parts),
+            self.baseline_members(batch),
+            batch.keep,
         )
         return advantages, ref_seconds
