@@ -17,6 +17,7 @@ from reinforce.core.models import build_char_tokenizer, load_policy, load_tokeni
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import read_samples, sample_steps
 from reinforce.core.spec import GenerationSpec, PolicySpec, RandomInit
+from reinforce.generator.engines.base import GenerationEngine
 from reinforce.generator.engines.torch_engine import TorchEngine
 from reinforce.generator.episodes import PLAIN_FORMAT, Episode, EpisodeRunner, ObservationFormat
 from tests.integration.test_environment import TIME_LIMIT_S, TOKEN, Server, start_server
@@ -69,8 +70,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s.process.wait(10)
 
 
-def run_episodes(policy: Path, url: str, max_new_tokens: int, k: int = 2, prompt: str = PROMPT) -> list[Episode]:
-    engine = TorchEngine(policy, GenerationSpec(max_new_tokens=max_new_tokens), num_samples=k)
+def run_episodes(
+    policy: Path,
+    url: str,
+    max_new_tokens: int,
+    k: int = 2,
+    prompt: str = PROMPT,
+    engine: GenerationEngine | None = None,
+) -> list[Episode]:
+    """k greedy episodes of `prompt` (default engine: torch's)."""
+    engine = engine or TorchEngine(policy, GenerationSpec(max_new_tokens=max_new_tokens), num_samples=k)
     tokenizer = load_tokenizer(policy)
     observations = ObservationFormat(tokenizer, chat_template=False, eos_ids={tokenizer.eos_token_id})
     runner = EpisodeRunner(engine, observations, url, TOKEN)

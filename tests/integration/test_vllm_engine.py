@@ -209,3 +209,25 @@ def test_validation_options_greedy_and_fewer_samples(engine: VLLMEngine, policy:
         # bf16 may break a near-tie the other way: most tokens, not all, must be the fp32 model's argmax
         agree = sum(a == b for a, b in zip(likeliest, group[0].token_ids, strict=True))
         assert agree >= 0.8 * len(likeliest), (likeliest, group[0].token_ids)
+
+
+def test_a_multi_turn_episode_continues_from_token_ids_as_with_torch(
+    start: Callable[..., VLLMEngine], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM runs a multi-turn episode (generator/episodes.py) against the real environment service: each turn is a
+    request from the prompt's ids and every token so far; greedily, its trajectory and mask are the torch engine's."""
+    from tests.integration.test_environment import start_server
+    from tests.integration.test_multi_turn import fitted_policy, run_episodes
+
+    folder = fitted_policy(tmp_path_factory.mktemp("multi-turn-vllm") / "policy")  # head size 32: vLLM's CPU kernel
+    server = start_server(tmp_path_factory.mktemp("environment"))
+    try:
+        engine = start(folder, vllm(max_new_tokens=160, dtype="float32"))
+        [from_vllm] = run_episodes(folder, server.url, max_new_tokens=160, k=1, engine=engine)
+        [from_torch] = run_episodes(folder, server.url, max_new_tokens=160, k=1)
+    finally:
+        server.process.terminate()
+        server.process.wait(10)
+    assert (from_vllm.turns, from_vllm.tool_calls, from_vllm.is_end) == (2, 1, True)
+    assert from_vllm.token_ids == from_torch.token_ids and from_vllm.loss_mask == from_torch.loss_mask
+    assert from_vllm.logprobs == pytest.approx(from_torch.logprobs, abs=FP32_TOL)
