@@ -74,11 +74,13 @@ def render(results: dict) -> str:
 
 
 def replace_section(markdown: str, section: str) -> str:
-    """`markdown` with the section under HEADING (up to the next second-level heading) replaced or appended."""
-    start = markdown.find(HEADING)
+    """`markdown` with the section under the section's heading (its first line, up to the next second-level
+    heading) replaced or appended."""
+    heading = section.splitlines()[0]
+    start = markdown.find(heading)
     if start < 0:
         return markdown.rstrip("\n") + "\n\n" + section
-    end = markdown.find("\n## ", start + len(HEADING))
+    end = markdown.find("\n## ", start + len(heading))
     return markdown[:start] + section + (markdown[end:] if end >= 0 else "")
 
 
