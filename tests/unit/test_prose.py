@@ -1,13 +1,20 @@
 """Prose is code: every path of this repository named in a comment, docstring, README, chart or Makefile exists,
-and every Makefile target parses and names only what exists (issue 23)."""
+and every Makefile target parses and names only what exists; spec and chart field descriptions carry no
+measurements and say what a field does on Kubernetes where that differs (issue 23)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
+
+from generate.chart_values import ChartValues
+from reinforce.core.spec import RunSpec
+from reinforce.operator.resource import ReinforceRunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".proto", ".toml", ".txt", ".json", ".tpl", ".cfg"}
@@ -66,3 +73,69 @@ def test_every_make_target_parses(target: str) -> None:
     """`make -n` prints the target's commands without running them: it fails on an unknown target or rule."""
     done = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# A figure with a unit of time, size, rate or ratio, an approximate figure, or words of a measurement or of this
+# machine's state: those belong in BENCHMARKS.md and the README, not in a field's description (CRD, kubectl explain).
+MEASUREMENT = re.compile(
+    r"~\s*\d|\b\d[\d.]*\s*(?:x\b|%|ms\b|s\b|us\b|µs|[KMG]i?B\b|tok/s|tokens/s|GFLOP|seconds?\b|minutes?\b|hours?\b)"
+    r"|\bmeasured\b|\bthis machine\b|\bnot yet run\b|\bbenchmark",
+    re.I,
+)
+# Figures that are rules, not measurements: (field, the figure's text).
+RULES = {("restart.reset_after_s", "10 minutes")}  # the kubelet's own back-off reset
+
+
+def field_descriptions(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted field path, description) of every field of model and of the sections under it."""
+    found = []
+    for name, field in model.model_fields.items():
+        path = prefix + name
+        found.append((path, field.description or ""))
+        for inner in _models_in(field.annotation):
+            found += field_descriptions(inner, path + ".")
+    return found
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in getattr(annotation, "__args__", ()) for model in _models_in(arg)]
+
+
+DESCRIBED = {"ReinforceRun spec": ReinforceRunSpec, "chart values": ChartValues}  # OperatorConfig: operatorConfig.*
+
+
+def measurements(text: str, path: str) -> list[str]:
+    return [m.group(0) for m in MEASUREMENT.finditer(text) if (path, m.group(0)) not in RULES]
+
+
+@pytest.mark.parametrize("model", DESCRIBED.values(), ids=DESCRIBED.keys())
+def test_no_field_description_holds_a_measurement(model: type[BaseModel]) -> None:
+    found = [f"{path}: {hits}" for path, text in field_descriptions(model) if (hits := measurements(text, path))]
+    assert not found, "measurements belong in BENCHMARKS.md or the README:\n" + "\n".join(found)
+
+
+def test_the_measurement_scan_sees_measurements() -> None:
+    samples = ["66 against 128 ms", "~1e-6", "about 4x float32's peak", "measured faster here", "3.4 GB", "99 tok/s"]
+    assert all(measurements(text, "any") for text in samples)
+    assert not measurements("kubelet resets its back-off after 10 minutes", "restart.reset_after_s")
+
+
+# Fields that do something else on Kubernetes than under `reinforce run`.
+KUBERNETES_MEANING = [
+    "weights.transport",  # always http
+    "weights.distribution",  # relay by default
+    "restart.max_restarts",  # the operator's crash-loop threshold
+    "restart.backoff_s",  # the kubelet's back-off instead
+    "restart.max_backoff_s",
+    "restart.reset_after_s",  # local only
+    "generation.num_generators",  # the generator Deployment's replicas
+    "logging.max_component_log_mb",  # the kubelet rotates logs
+]
+
+
+@pytest.mark.parametrize("path", KUBERNETES_MEANING)
+def test_fields_that_differ_on_kubernetes_say_so(path: str) -> None:
+    description = dict(field_descriptions(RunSpec))[path]
+    assert "Kubernetes" in description, f"{path}: say what it does on Kubernetes"

@@ -423,7 +423,7 @@ class GenerationSpec(_Section):
         "torch",
         description="What samples: torch (the reference sampler, a KV cache in PyTorch), vllm (vLLM in the "
         "generator's process, CPU or GPU; `make install` installs its CPU build) or tensorrt_llm (TensorRT-LLM's LLM "
-        "API, GPU only, not yet run on a GPU). Every engine refits published weights in place.",
+        "API, GPU only). Every engine refits published weights in place.",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -438,7 +438,11 @@ class GenerationSpec(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: off).")
     stop_strings: list[str] = Field(default_factory=list, description="A response ends after any of these.")
-    num_generators: int = Field(1, ge=1, description="Generator processes the supervisor starts.")
+    num_generators: int = Field(
+        1,
+        ge=1,
+        description="Generator processes the supervisor starts; on Kubernetes the generator Deployment's replicas.",
+    )
     batch_prompts: int = Field(8, ge=1, description="Prompts a generator samples together (times k sequences).")
     reclaim_idle_s: float = Field(
         60.0, gt=0, description="A prompt unacknowledged this long (its generator died) is taken over by another."
@@ -475,16 +479,15 @@ class TrainingSpec(_Section):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="fp32: everything float32 (bit-reproducible). bf16: the policy's forward and backward under "
-        "autocast to bfloat16 (about 4x float32's matmul peak on CPUs with AVX512-BF16 or AMX) with float32 "
-        "master weights and AdamW state, the reference model held in bfloat16; log-probs and the loss in float32. "
+        "autocast to bfloat16 with float32 master weights and AdamW state, the reference model held in bfloat16; "
+        "log-probs and the loss in float32. "
         "Weight versions travel in the generators' precision (generation.dtype) either way.",
     )
     attention: Literal["auto", "sdpa", "eager"] = Field(
         "auto",
         description="The torch backend's attention kernel (Hugging Face attn_implementation) for the policy and the "
         "reference. auto: on CPU eager (plain matmuls) for micro-batches padded to at most 256 tokens and sdpa "
-        "beyond, where each measured faster here (bf16 forward and backward of 9 heads: 66 against 128 ms at 32 "
-        "sequences of 80 tokens, 743 against 281 ms at 2 of 1280); sdpa on GPU.",
+        "beyond, the faster of the two on CPU at each length (the measurements: README, Tests); sdpa on GPU.",
     )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
@@ -532,7 +535,7 @@ class TrainingSpec(_Section):
         gt=0,
         description="A group sampled by the very version being trained whose mean |generator log-prob - trainer "
         "log-prob| exceeds this is refused and counted (`train_rollouts/refused_mismatched_groups`): other weights "
-        "sampled it. Float32 noise is ~1e-6, other engines' ~1e-2.",
+        "sampled it (README: generation engines, for the engines' usual mismatch).",
     )
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
@@ -612,7 +615,8 @@ class LoggingSpec(_Section):
         64.0,
         gt=0,
         description="`reinforce run`: a component's log (RUN_DIR/logs/NAME.log) past this size is copied to "
-        "NAME.log.1, replacing the older copy, and emptied (on a cluster the kubelet rotates container logs).",
+        "NAME.log.1, replacing the older copy, and emptied. Local only: on Kubernetes the kubelet rotates "
+        "container logs.",
     )
 
 
@@ -622,7 +626,8 @@ class WeightsSpec(_Section):
     transport: Literal["file", "http"] = Field(
         "file",
         description="file: generators read the run folder (a shared volume); http: they stream each version "
-        "from the trainer's weight endpoint. Both check the sha256 before loading.",
+        "from the trainer's weight endpoint. Both check the sha256 before loading. On Kubernetes always http: "
+        "the operator sets it, as pods share no volume.",
     )
     keep_versions: int = Field(3, ge=1, description="Published versions kept on the trainer's disk.")
     distribution: Literal["direct", "relay"] | None = Field(
@@ -657,16 +662,24 @@ class RestartSpec(_Section):
         3,
         ge=0,
         description="Restarts of one component before the run gives up (0: none), counted since its restart count "
-        "was last reset (`reset_after_s`).",
+        "was last reset (`reset_after_s`). On Kubernetes the crash-loop threshold: the operator marks the run Failed "
+        "(CrashLooping) once a pod has restarted more often.",
     )
-    backoff_s: float = Field(1.0, gt=0, description="Wait before the first restart; doubles with each restart.")
-    max_backoff_s: float = Field(30.0, gt=0, description="Longest wait between restarts.")
+    backoff_s: float = Field(
+        1.0,
+        gt=0,
+        description="Wait before the first restart; doubles with each restart. Unused on Kubernetes (the kubelet's "
+        "CrashLoopBackOff spaces restarts).",
+    )
+    max_backoff_s: float = Field(
+        30.0, gt=0, description="Longest wait between restarts. Unused on Kubernetes (the kubelet's back-off)."
+    )
     reset_after_s: float = Field(
         600.0,
         gt=0,
-        description="A component that ran this long since its last restart exits with its restart count (and "
-        "back-off) reset to zero, as the kubelet resets its back-off after 10 minutes: faults hours apart do not "
-        "end a long run.",
+        description="A component that ran this long since its last restart has its restart count (and back-off) "
+        "reset to zero, as the kubelet resets its back-off after 10 minutes: faults hours apart do not end a long "
+        "run. Local only: on Kubernetes the restart count is the pod's, kept as long as the pod lives.",
     )
 
 
