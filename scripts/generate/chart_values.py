@@ -1,24 +1,28 @@
-"""The Helm chart's generated parts: `values.schema.json` and the operator's RBAC rules.
+"""The Helm chart's generated parts: `values.yaml`, `values.schema.json` and the operator's RBAC rules.
 
 `ChartValues` is the typed model of `charts/reinforce/values.yaml` (Helm's camelCase); its `operatorConfig`
 is the operator's own `OperatorConfig`, so the chart cannot accept an operator setting the operator would
-refuse. `make generate` writes `values.schema.json` (Helm checks every install against it)
+refuse. `make generate` writes `values.yaml` (the model's defaults, every key under a `## @param` line with its
+description, as Bitnami's charts document theirs), `values.schema.json` (Helm checks every install against it)
 and `files/operator-rules.yaml` (the roles' rules: `CLUSTER_RULES` and `NAMESPACED_RULES`, one source);
-tests/integration/test_chart.py fails when either drifts.
+tests/unit/test_generated.py fails when any of them drifts.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from reinforce.core.spec import reference_rows
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
+from reinforce.operator.resource import PodSpec
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "reinforce"
 
@@ -28,28 +32,44 @@ class _Values(BaseModel):
 
 
 class Image(_Values):
+    """The operator's image (services/reinforce/operator/Dockerfile; `reinforce operator` is its command)."""
+
     repository: str = Field("reinforce-operator", description="Operator image repository.")
     tag: str = Field("", description="Image tag (empty: the chart's appVersion).")
     pullPolicy: str = Field("IfNotPresent", description="Image pull policy.")
 
 
 class ServiceAccount(_Values):
+    """The operator's ServiceAccount."""
+
     create: bool = Field(True, description="Create the operator's ServiceAccount.")
     name: str = Field("", description="Its name (empty: the release's full name).")
 
 
 class ServiceMonitor(_Values):
-    enabled: bool = Field(True, description="Create a ServiceMonitor and PodMonitor when their API exists.")
+    """Scraping of the runs' metrics by the Prometheus Operator."""
+
+    enabled: bool = Field(
+        True,
+        description="A ServiceMonitor (reward, trainer; PPO's critics) and a PodMonitor (generators), where the "
+        "Prometheus Operator's API exists; each scrapes the port named metrics.",
+    )
     interval: str = Field("15s", description="Scrape interval.")
 
 
 class Metrics(_Values):
+    """Prometheus objects for the runs."""
+
     serviceMonitor: ServiceMonitor = Field(default_factory=ServiceMonitor)
     prometheusRule: bool = Field(True, description="Create the alert rules when the PrometheusRule API exists.")
 
 
 class Dashboards(_Values):
-    enabled: bool = Field(True, description="Ship the Grafana dashboards as ConfigMaps.")
+    """The Grafana dashboards (charts/reinforce/dashboards)."""
+
+    enabled: bool = Field(
+        True, description="Ship the Grafana dashboards as ConfigMaps, picked up by the Grafana sidecar by `label`."
+    )
     label: str = Field("grafana_dashboard", description="Label the Grafana sidecar looks for.")
     labelValue: str = Field("1", description="Its value.")
 
@@ -64,15 +84,23 @@ class ChartValues(_Values):
     serviceAccount: ServiceAccount = Field(default_factory=ServiceAccount)
     rbac: bool = Field(
         True,
-        description="Create the operator's RBAC (least privilege): with watchNamespaces a Role per namespace and a "
-        "ClusterRole that only reads CRDs and namespaces; without, one ClusterRole.",
+        description="Create the operator's RBAC: exactly the calls it makes "
+        "(charts/reinforce/files/operator-rules.yaml). With watchNamespaces a Role in each of them and a ClusterRole "
+        "that only reads CRDs and namespaces; without, one ClusterRole.",
     )
-    resources: dict[str, dict[str, str]] = Field(default_factory=dict, description="The operator pod's resources.")
+    resources: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        description="The operator pod's resources.",
+    )
     nodeSelector: dict[str, str] = Field(default_factory=dict, description="The operator pod's node selector.")
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list, description="The operator pod's tolerations, as Kubernetes spells them."
     )
-    hostNetwork: bool = Field(False, description="Run the operator pod on the node's network (host-network profile).")
+    hostNetwork: bool = Field(
+        False,
+        description="Run the operator pod on the node's network, for a single-node cluster without kube-proxy "
+        "(with operatorConfig.profile host-network and apiServer).",
+    )
     apiServer: str = Field(
         "",
         pattern=r"^$|^[^:/]+:[0-9]+$",
@@ -81,11 +109,13 @@ class ChartValues(_Values):
     )
     healthPort: int = Field(
         8080, ge=1, le=65535,
-        description="Port of the operator's liveness endpoint; with hostNetwork it must differ from the runs' ports.",
+        description="Port of the operator's liveness endpoint (/healthz); with hostNetwork it must differ from the "
+        "runs' ports (the generators take ports.generator + i there).",
     )  # fmt: skip
     operatorConfig: OperatorConfig = Field(
-        default_factory=OperatorConfig,
-        description="The operator's configuration: images, ports and pod defaults of the runs' components.",
+        default_factory=lambda: OperatorConfig(pods={"redis": PodSpec(requests={"cpu": "100m", "memory": "256Mi"})}),
+        description="The operator's configuration (README: the operator configuration table): defaults for what a "
+        "ReinforceRun leaves unset. operatorNamespace is the release's namespace, whatever is set here.",
     )
     metrics: Metrics = Field(default_factory=Metrics)
     dashboards: Dashboards = Field(default_factory=Dashboards)
@@ -113,7 +143,35 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     return {key: _inline(value, defs) for key, value in node.items()}
 
 
+VALUES_HEADER = """\
+# Values of the reinforce chart, generated from scripts/generate/chart_values.py (ChartValues) by `make generate`:
+# change the model, not this file. values.schema.json (generated from the same model) checks them: an unknown key or
+# a wrong type fails `helm install` naming the key. Each `## @param` line documents a key (`<name>`: any map key).
+"""
+# The chart writes the release's namespace into the operator's configuration (templates/operator.yaml).
+SET_BY_THE_CHART = {"operatorConfig": {"operator_namespace"}}
+
+
+def values_yaml() -> str:
+    """The model's defaults, each top-level key under the `## @param` lines of the keys it holds."""
+    values = ChartValues().model_dump(mode="json", by_alias=True, exclude=SET_BY_THE_CHART)
+    rows = reference_rows(ChartValues, by_alias=True)
+    blocks = [VALUES_HEADER]
+    for key, value in values.items():
+        params = [r for r in rows if r.path == key or r.path.startswith((key + ".", key + "["))]
+        comments = [_param_line(r.path, r.meaning) for r in params]
+        blocks.append("\n".join(comments) + "\n" + yaml.safe_dump({key: value}, sort_keys=False, width=120))
+    return "\n".join(blocks)
+
+
+def _param_line(path: str, meaning: str) -> str:
+    return textwrap.fill(
+        meaning, 120, initial_indent=f"## @param {path} ", subsequent_indent="##   ", break_on_hyphens=False
+    )
+
+
 GENERATED = {
+    CHART / "values.yaml": values_yaml,
     CHART / "values.schema.json": lambda: json.dumps(values_schema(), indent=2) + "\n",
     CHART / "files" / "operator-rules.yaml": lambda: (
         "# Generated from services/reinforce/operator/rbac.py by `make generate`. cluster: always in the\n"

@@ -1,12 +1,13 @@
-"""Regenerate the README's generated tables (spec reference, metrics) from the code that defines them."""
+"""Regenerate the README's generated tables (spec reference, chart values, metrics) from the code that defines them."""
 
 import re
 import sys
 from pathlib import Path
 
+from generate.chart_values import ChartValues
 from generate.dashboards import ALERTS, DASHBOARDS
 from reinforce.core.metrics import STEP_METRICS, prometheus_name
-from reinforce.core.spec import RunSpec, reference_markdown
+from reinforce.core.spec import RunSpec, markdown_table, reference_markdown, reference_rows
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.resource import ReinforceRunSpec
 
@@ -22,6 +23,12 @@ def metrics_markdown() -> str:
 def kubernetes_reference_markdown() -> str:
     """The fields a ReinforceRun has beyond a run spec, spelled as a ReinforceRun does (camelCase)."""
     return reference_markdown(ReinforceRunSpec, skip=tuple(RunSpec.model_fields), by_alias=True)
+
+
+def chart_values_markdown() -> str:
+    """The chart's values; operatorConfig's keys are the operator configuration table's."""
+    rows = reference_rows(ChartValues, by_alias=True)
+    return markdown_table([r for r in rows if not r.path.startswith("operatorConfig.")])
 
 
 def dashboards_markdown() -> str:
@@ -41,6 +48,7 @@ def alerts_markdown() -> str:
 GENERATED = {
     "spec-reference": reference_markdown,
     "kubernetes-reference": kubernetes_reference_markdown,
+    "chart-values": chart_values_markdown,
     "operator-config": lambda: reference_markdown(OperatorConfig, by_alias=True),  # the chart's values: camelCase
     "metrics": metrics_markdown,
     "dashboards": dashboards_markdown,

@@ -11,7 +11,7 @@ accepted everywhere; an error names the field as the input spelled it. ``respell
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -913,45 +913,65 @@ def _respell_value(value: Any, annotation: Any, by_alias: bool) -> Any:
     return respell(value, sections[0], by_alias)
 
 
+class ReferenceRow(NamedTuple):
+    """One field of a spec reference: the README's tables and the chart's values.yaml are written from these."""
+
+    path: str
+    type: str
+    default: str
+    meaning: str
+
+
 def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] = (), by_alias: bool = False) -> str:
     """A spec reference table of the README, generated from the model (tests check the README is current); fields
     spelled by name (spec files) or by camelCase alias (Kubernetes objects)."""
-    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-    _reference_rows(model, "", rows, skip, by_alias)
-    return "\n".join(rows)
+    return markdown_table(reference_rows(model, skip, by_alias))
 
 
-def _reference_rows(
+def markdown_table(rows: list[ReferenceRow]) -> str:
+    lines = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        meaning = r.meaning.replace("|", "\\|")  # a table cell's pipe
+        lines.append(f"| `{r.path}` | {r.type} | {r.default} | {meaning} |")
+    return "\n".join(lines)
+
+
+def reference_rows(
     model: type[BaseModel],
-    prefix: str,
-    rows: list[str],
     skip: tuple[str, ...] = (),
     by_alias: bool = False,
+    prefix: str = "",
     seen: dict | None = None,
-) -> None:
-    seen = {} if seen is None else seen  # section class -> where its fields are listed (each only once)
+) -> list[ReferenceRow]:
+    """Every field of model and of the models under it, each section's fields listed once (`seen`: section class ->
+    where its fields are listed); a list or dict of sections lists one element's fields under [] or .<name>."""
+    seen = {} if seen is None else seen
+    rows = []
     for name, field in model.model_fields.items():
         if name in skip:
             continue
         path = prefix + (field.alias if by_alias and field.alias else name)
         annotation = field.annotation
-        sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_section(a)]
+        sections = [a for a in getattr(annotation, "__args__", (annotation,)) if _is_model(a)]
         default = "required" if field.is_required() else _default_text(field)
         if not sections:
-            meaning = (field.description or "").replace("|", "\\|")
-            rows.append(f"| `{path}` | {_type_text(annotation)} | {default} | {meaning} |")
+            rows.append(ReferenceRow(path, _type_text(annotation), default, field.description or ""))
             continue
         section = sections[0]
-        # a list or dict of sections lists one element's fields under [] or <key>
         kind = {list: "list of sections", dict: "map of sections"}.get(getattr(annotation, "__origin__", None))
         element = path + {"list of sections": "[]", "map of sections": ".<name>"}.get(kind or "", "")
         meaning = field.description or section.__doc__.strip().splitlines()[0]
         if section in seen:
             meaning += f" Fields as `{seen[section]}`."
-        rows.append(f"| `{path}` | {kind or 'section'} | {default} | {meaning} |")
+        rows.append(ReferenceRow(path, kind or "section", default, meaning))
         if section not in seen:
             seen[section] = element
-            _reference_rows(section, element + ".", rows, by_alias=by_alias, seen=seen)
+            rows += reference_rows(section, by_alias=by_alias, prefix=element + ".", seen=seen)
+    return rows
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _is_section(annotation: Any) -> bool:
@@ -961,7 +981,7 @@ def _is_section(annotation: Any) -> bool:
 def _default_text(field: Any) -> str:
     if field.default_factory is not None:
         value = field.default_factory()
-        return "defaults" if isinstance(value, _Section) else f"`{value!r}`"
+        return "defaults" if isinstance(value, BaseModel) else f"`{value!r}`"
     return f"`{field.default!r}`"
 
 
