@@ -7,13 +7,12 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from generate.chart_values import ChartValues
-from reinforce.core.spec import RunSpec
+from reinforce.core.spec import RunSpec, reference_rows
 from reinforce.operator.resource import ReinforceRunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,24 +85,12 @@ MEASUREMENT = re.compile(
 RULES = {("restart.reset_after_s", "10 minutes")}  # the kubelet's own back-off reset
 
 
-def field_descriptions(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
-    """(dotted field path, description) of every field of model and of the sections under it."""
-    found = []
-    for name, field in model.model_fields.items():
-        path = prefix + name
-        found.append((path, field.description or ""))
-        for inner in _models_in(field.annotation):
-            found += field_descriptions(inner, path + ".")
-    return found
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [model for arg in getattr(annotation, "__args__", ()) for model in _models_in(arg)]
-
-
 DESCRIBED = {"ReinforceRun spec": ReinforceRunSpec, "chart values": ChartValues}  # OperatorConfig: operatorConfig.*
+
+
+def descriptions(model: type[BaseModel]) -> dict[str, str]:
+    """Field path -> description (a section's: its docstring's first line), as the README's tables show them."""
+    return {row.path: row.meaning for row in reference_rows(model)}
 
 
 def measurements(text: str, path: str) -> list[str]:
@@ -112,7 +99,7 @@ def measurements(text: str, path: str) -> list[str]:
 
 @pytest.mark.parametrize("model", DESCRIBED.values(), ids=DESCRIBED.keys())
 def test_no_field_description_holds_a_measurement(model: type[BaseModel]) -> None:
-    found = [f"{path}: {hits}" for path, text in field_descriptions(model) if (hits := measurements(text, path))]
+    found = [f"{path}: {hits}" for path, text in descriptions(model).items() if (hits := measurements(text, path))]
     assert not found, "measurements belong in BENCHMARKS.md or the README:\n" + "\n".join(found)
 
 
@@ -137,5 +124,5 @@ KUBERNETES_MEANING = [
 
 @pytest.mark.parametrize("path", KUBERNETES_MEANING)
 def test_fields_that_differ_on_kubernetes_say_so(path: str) -> None:
-    description = dict(field_descriptions(RunSpec))[path]
+    description = descriptions(RunSpec)[path]
     assert "Kubernetes" in description, f"{path}: say what it does on Kubernetes"

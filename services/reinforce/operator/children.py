@@ -124,7 +124,7 @@ class Ports(_Section):
 
 
 class Images(_Section):
-    """Each component's image (services/reinforce/<component>/Dockerfile builds it; `make images` on this machine)."""
+    """Each component's image (services/reinforce/<component>/Dockerfile builds it; `make images` builds them all)."""
 
     redis: str = Field("redis:7.0", description="The run's Redis (needs `redis-server` and `sh`).")
     reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
