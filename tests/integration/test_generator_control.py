@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import uvicorn
+from conftest import free_port
 from fastapi.testclient import TestClient
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import generate_latest
@@ -21,7 +25,7 @@ from reinforce.core.reward_client import RewardFunctionError
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
-from reinforce.core.weights import publish
+from reinforce.core.weights import WeightServer, publish
 from reinforce.generator.worker import Generator, control_plane
 
 TOKEN = "s3cret-control-token"
@@ -287,7 +291,7 @@ def test_an_unauthenticated_body_is_never_read_and_a_large_one_is_413(gen: Gener
 class _FailingReward:
     """A reward client whose reward function raised on the server (what RewardClient.score then raises)."""
 
-    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def score(self, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
         raise RewardFunctionError("reward server at http://x: request failed: reward function failed: boom")
 
     def close(self) -> None:
@@ -348,3 +352,49 @@ def test_the_weight_reconciler_rides_out_garbage_in_the_weights_key(gen: Generat
         assert reconciler.reconcile_once() == (3, [])
     finally:
         reconciler.close()
+
+
+def serve_control_plane(gen: Generator) -> tuple[str, uvicorn.Server]:
+    """The generator's control plane on a real port, as `python -m reinforce.generator` serves it."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(control_plane(gen, TOKEN), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the control plane did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server
+
+
+def test_the_reconciler_relays_a_version_along_a_chain_of_generators(spec: RunSpec, redis_url: str) -> None:
+    """weights.distribution relay: the reconciler plans a chain over the generators it sees, each one's load request
+    names its ancestors' relays, and every generator loads the trainer's version through its relay."""
+    paths = RunPaths(spec.resolved_run_dir())
+    with WeightServer(paths.weights, host="127.0.0.1") as trainer:
+        trainer_url = trainer.base_url("127.0.0.1")
+        gens = [Generator(spec, redis_url, REWARD_URL, f"gen-{i}", weights_url=trainer_url) for i in range(3)]
+        gens[0].queue.delete_run_keys()
+        served = {g.name: serve_control_plane(g) for g in gens}
+        reconciler = WeightReconciler(gens[0].queue, {n: u for n, (u, _) in served.items()}, TOKEN, relay_fanout=1)
+        try:
+            expected = state(perturbed_policy(spec, seed=5))
+            model = perturbed_policy(spec, seed=5)
+            gens[0].queue.publish_weights(publish(model, paths.weights, 1, base_url=trainer_url))
+            deadline = time.monotonic() + 30
+            while not all(g.weights.loaded == 1 for g in gens):
+                assert time.monotonic() < deadline, [g.weights.last_error for g in gens]
+                reconciler.reconcile_once()
+                for g in gens:
+                    g.apply_desired_weights()
+            _, states = reconciler.reconcile_once()
+            assert [s.relay_version for s in states] == [1, 1, 1]  # each one loaded it through its relay
+            chain = reconciler._relay_plan(gens[0].queue.latest_weights())
+            assert chain["gen-2"] == [states[1].relay_url, states[0].relay_url] and chain["gen-0"] == []
+            assert all(same_weights(g.engine.model, expected) for g in gens)
+        finally:
+            reconciler.close()
+            for g in gens:
+                served[g.name][1].should_exit = True
+                g.relay.stop()
+                g.reward.close()
+                g.queue.client.close()

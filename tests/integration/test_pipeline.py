@@ -224,3 +224,20 @@ def test_two_generators_streaming_weights_over_http(tmp_path, tiny_baseline):
             range(1, BASELINE_TRAINING["steps"])
         ), name
     assert max_weight_difference(tiny_baseline, tmp_path / "run") < 1e-5
+
+
+@pytest.mark.slow
+def test_three_generators_relaying_weights_train_like_one(tmp_path, tiny_baseline):
+    """weights.distribution relay: the trainer sends each version once and the generators pass it down a chain
+    (core/relay.py); the run trains like one generator, and the chain's last generator gets every version from a relay,
+    never from the trainer."""
+    weights = {"transport": "http", "distribution": "relay"}
+    spec = write_spec(tmp_path, training=BASELINE_TRAINING, weights=weights, generation={"num_generators": 3})
+    result = reinforce("run", str(spec))
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = RunPaths(tmp_path / "run").logs
+    trainer_url = re.search(r"serving weights at (http://\S+)", (logs / "trainer.log").read_text()).group(1)
+    relayed = re.findall(r"weight version (\d+) relayed in \S+: (.*)", (logs / "generator-2.log").read_text())
+    assert [int(v) for v, _ in relayed][: BASELINE_TRAINING["steps"] - 1] == list(range(1, BASELINE_TRAINING["steps"]))
+    assert all(trainer_url not in sources for _, sources in relayed), relayed
+    assert max_weight_difference(tiny_baseline, tmp_path / "run") < 1e-5

@@ -81,7 +81,7 @@ def secured(dirs: tuple[Path, Path]) -> Iterator[WeightServer]:
 
 @pytest.fixture
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(weights_module, "_RETRY_BACKOFF_S", (0.01, 0.01))
+    monkeypatch.setattr(weights_module, "RETRY_BACKOFF_S", (0.01, 0.01))
 
 
 def publish_served(server: WeightServer, model: torch.nn.Module, version: int, keep: int = 3) -> WeightVersion:
@@ -362,7 +362,7 @@ def test_connections_are_bounded_and_idle_ones_time_out(dirs: tuple[Path, Path])
 
 def test_a_fetch_rides_out_a_busy_endpoint(dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch):
     """A 503 from a full endpoint is retried: the download succeeds once a slot frees."""
-    monkeypatch.setattr(weights_module, "_RETRY_BACKOFF_S", (0.5, 0.5, 0.5, 0.5))
+    monkeypatch.setattr(weights_module, "RETRY_BACKOFF_S", (0.5, 0.5, 0.5, 0.5))
     with WeightServer(dirs[0], host="127.0.0.1", max_connections=1, idle_timeout_s=0.8) as srv:
         published = publish_served(srv, tiny_model(0), version=1)
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10):  # holds the only slot until it times out

@@ -85,15 +85,19 @@ class RolloutGroup(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generate_seconds: _Optional[float] = ..., reward_seconds: _Optional[float] = ..., kind: _Optional[_Union[PromptKind, str]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "uri", "sha256", "num_bytes", "published_at")
+    __slots__ = ("version", "uri", "sha256", "num_bytes", "published_at", "chunk_bytes", "chunk_sha256")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SHA256_FIELD_NUMBER: _ClassVar[int]
     version: int
     uri: str
     sha256: str
     num_bytes: int
     published_at: float
-    def __init__(self, version: _Optional[int] = ..., uri: _Optional[str] = ..., sha256: _Optional[str] = ..., num_bytes: _Optional[int] = ..., published_at: _Optional[float] = ...) -> None: ...
+    chunk_bytes: int
+    chunk_sha256: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., uri: _Optional[str] = ..., sha256: _Optional[str] = ..., num_bytes: _Optional[int] = ..., published_at: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., chunk_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -3,7 +3,9 @@
 Desired state: every generator has loaded the latest published weight version. Each pass reads the latest
 WeightVersion from the run's queue, asks every generator for its loaded version, and sends the new version to
 those behind. It is level-triggered: a pass after any failure (a generator restarting, a lost request)
-converges again.
+converges again. With `relay_fanout` (weights.distribution relay) it plans a relay tree over the generators that
+answered (core/relay.py) and names each one's ancestors in its load request; relays already holding the version go
+to the top, and a generator that stops answering drops out of the next pass's plan.
 """
 
 from __future__ import annotations
@@ -15,23 +17,28 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 import redis
-from google.protobuf.json_format import MessageToDict
 
 from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import WeightVersion
+from reinforce.core.relay import load_request_json, plan_relay
+from reinforce.core.spec import WeightsSpec
 
 log = logging.getLogger("reinforce.rollout")
 # A failing read is logged the first time and every this many times after (a pass runs every 50-100 ms).
 _LOG_EVERY = 100
 
 
-def weight_version_json(weights: WeightVersion) -> dict:
-    """The body of a generator's POST /v1/weights (proto3 JSON mapping)."""
-    return MessageToDict(weights, always_print_fields_with_no_presence=True)
+def relay_fanout(weights: WeightsSpec, default: str = "direct") -> int | None:
+    """The reconciler's relay fan-out for a run's weights section, None for direct fetches. `default` stands for an
+    unset `distribution`: direct locally, relay on Kubernetes. Only http transport relays: with file every generator
+    reads the shared folder."""
+    relayed = (weights.distribution or default) == "relay" and weights.transport == "http"
+    return weights.relay_fanout if relayed else None
 
 
 @dataclass
@@ -40,6 +47,8 @@ class GeneratorWeights:
     loaded_version: int | None  # None: the generator did not answer
     last_error: str = ""
     loads: int = 0  # versions the generator process has loaded since it started
+    relay_url: str | None = None  # where other generators fetch from it (None: it relays nothing)
+    relay_version: int | None = None  # the version its relay holds whole
 
 
 class WeightReconciler:
@@ -52,11 +61,13 @@ class WeightReconciler:
         control_token: str,
         timeout_s: float = 5.0,
         resync_s: float = 5.0,
+        relay_fanout: int | None = None,
     ) -> None:
         self.queue = queue
         self.generator_urls = generator_urls
         self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {control_token}"})
         self.resync_s = resync_s
+        self.relay_fanout = relay_fanout
         self.states: list[GeneratorWeights] = []
         self.read_failures = 0  # passes that could not read the published version (an outage, an unreadable record)
         self._last_pass = -float("inf")
@@ -81,10 +92,23 @@ class WeightReconciler:
             return version, self.states
         self._last_pass = time.monotonic()
         self.states = [self._status(name, url) for name, url in self.generator_urls.items()]
-        for state in self.states:
-            if version is not None and state.loaded_version is not None and state.loaded_version != version:
-                self._push(state.name, self.generator_urls[state.name], latest)
+        if latest is None:
+            return version, self.states
+        plan = self._relay_plan(latest)
+        behind = [s for s in self.states if s.loaded_version is not None and s.loaded_version != version]
+        # in the plan's order, so that a relay has its request before its successors ask it for the bytes
+        order = {name: index for index, name in enumerate(plan)}
+        for state in sorted(behind, key=lambda s: order.get(s.name, len(order))):
+            self._push(state.name, self.generator_urls[state.name], latest, plan.get(state.name))
         return version, self.states
+
+    def _relay_plan(self, latest: WeightVersion) -> dict[str, list[str]]:
+        """Each relaying generator's ancestors (empty: direct for all, or nobody relays)."""
+        if self.relay_fanout is None or not latest.chunk_sha256:  # a record without chunk digests goes direct
+            return {}
+        relays = {s.name: s.relay_url for s in self.states if s.relay_url and s.loaded_version is not None}
+        holding = [s.name for s in self.states if s.relay_version == latest.version]
+        return plan_relay(relays, self.relay_fanout, holding)
 
     def _converged(self, version: int | None) -> bool:
         return len(self.states) == len(self.generator_urls) and all(
@@ -96,11 +120,18 @@ class WeightReconciler:
             body = self.client.get(f"{url}/v1/weights").raise_for_status().json()
         except httpx.HTTPError:
             return GeneratorWeights(name, None)
-        return GeneratorWeights(name, body["loaded_version"], body.get("last_error", ""), body.get("loads", 0))
+        port = body.get("relay_port")
+        # a generator relays at its control address's host (its pod IP), on a port of its own
+        relay_url = f"{urlsplit(url).scheme}://{urlsplit(url).netloc.rpartition(':')[0]}:{port}" if port else None
+        return GeneratorWeights(
+            name, body["loaded_version"], body.get("last_error", ""), body.get("loads", 0),
+            relay_url, body.get("relay_version"),
+        )  # fmt: skip
 
-    def _push(self, name: str, url: str, weights: WeightVersion) -> None:
+    def _push(self, name: str, url: str, weights: WeightVersion, relay_sources: list[str] | None) -> None:
+        body = load_request_json(weights, relay_sources)
         try:
-            self.client.post(f"{url}/v1/weights", json=weight_version_json(weights)).raise_for_status()
+            self.client.post(f"{url}/v1/weights", json=body).raise_for_status()
         except httpx.HTTPError as err:
             log.warning("generator %s: cannot request weight version %d: %s", name, weights.version, err)
 

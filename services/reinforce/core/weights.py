@@ -45,14 +45,20 @@ from reinforce.core.records_pb2 import WeightVersion
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
+# A published version's chunks (WeightVersion.chunk_sha256): at least 1 MiB, and at most MAX_CHUNKS of them, so the
+# record every generator reads from Redis stays a few kB however large the model (16 GB: 512 chunks of 32 MiB).
+MIN_CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 512
 WEIGHTS_ROUTE = "/v1/weights/"
 # The only names ever served: what weight_path writes. Matched against the raw request target, never a decoded
 # one, so "..", "%2F", "%00", query strings and other files of the folder (.tmp) cannot get through.
 _FILE_NAME = re.compile(r"v[0-9]{6,12}\.safetensors")
 _REQUEST_TARGET = re.compile(re.escape(WEIGHTS_ROUTE) + r"(" + _FILE_NAME.pattern + r")")
+# The one form of Range request served: from an offset to the end (a relayed transfer resuming at another source).
+_RANGE = re.compile(r"bytes=([0-9]{1,15})-")
 
 # A fetch is retried on connection errors, truncated bodies and 5xx (a trainer pod restarting), not on 4xx.
-_RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
 _HTTP_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 # The weight endpoint's bounds: concurrent connections (each one thread), and how long one may wait to send a request.
 MAX_CONNECTIONS = 64
@@ -111,6 +117,43 @@ def weight_path(weights_dir: Path, version: int) -> Path:
     return weights_dir / f"v{version:06d}.safetensors"
 
 
+def chunk_bytes_for(num_bytes: int) -> int:
+    """The chunk size of a file of `num_bytes`: a power of two from MIN_CHUNK_BYTES, at most MAX_CHUNKS chunks."""
+    size = MIN_CHUNK_BYTES
+    while size * MAX_CHUNKS < num_bytes:
+        size *= 2
+    return size
+
+
+class ChunkDigests:
+    """The sha256 of each `chunk_bytes` piece of a stream fed to `update` in pieces of any size."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.digests: list[bytes] = []
+        self._current = hashlib.sha256()
+        self._filled = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self.chunk_bytes - self._filled)
+            self._current.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self._close_chunk()
+
+    def finish(self) -> list[bytes]:
+        if self._filled:
+            self._close_chunk()
+        return self.digests
+
+    def _close_chunk(self) -> None:
+        self.digests.append(self._current.digest())
+        self._current, self._filled = hashlib.sha256(), 0
+
+
 def publish(
     model: torch.nn.Module | dict[str, torch.Tensor],
     weights_dir: Path,
@@ -133,8 +176,9 @@ def publish(
     tensors = distinct_tensors(model) if isinstance(model, torch.nn.Module) else model
     if dtype is not None:
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    chunks = ChunkDigests(chunk_bytes_for(sum(t.numel() * t.element_size() for t in tensors.values())))
     try:
-        num_bytes, digest = write_safetensors(tmp, tensors, {"version": str(version), **(metadata or {})})
+        num_bytes, digest = write_safetensors(tmp, tensors, {"version": str(version), **(metadata or {})}, chunks)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not keep a partial version beside the others
@@ -147,6 +191,8 @@ def publish(
         sha256=digest,
         num_bytes=num_bytes,
         published_at=time.time(),
+        chunk_bytes=chunks.chunk_bytes,
+        chunk_sha256=chunks.finish(),
     )
 
 
@@ -157,8 +203,11 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write `tensors` to `path` in the safetensors format and return (bytes, sha256 of them).
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], chunks: ChunkDigests | None = None
+) -> tuple[int, str]:
+    """Write `tensors` to `path` in the safetensors format and return (bytes, sha256 of them); `chunks`, when
+    given, also hashes each of its chunks.
 
     The file is hashed as it is written, straight from the tensors' memory: no serialised copy, no reading back
     (for a 270 MB bfloat16 policy here: 0.3 s, where the library's `save` to bytes and their hash took 0.5 s).
@@ -185,6 +234,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         for chunk in (len(encoded).to_bytes(8, "little"), encoded, *map(_raw_bytes, tensors.values())):
             f.write(chunk)
             digest.update(chunk)
+            if chunks is not None:
+                chunks.update(chunk)
             num_bytes += len(chunk)
     return num_bytes, digest.hexdigest()
 
@@ -253,8 +304,8 @@ def _load_file(load: Callable[[Path], None], weights: WeightVersion) -> LoadStat
     start = time.perf_counter()
     digest = sha256_of(path)
     fetched = time.perf_counter()
-    _check_digest(weights, str(path), digest)
-    _load_into(load, weights, path)
+    check_digest(weights, str(path), digest)
+    load_into(load, weights, path)
     return LoadStats(path.stat().st_size, fetched - start, time.perf_counter() - fetched)
 
 
@@ -271,41 +322,37 @@ def _load_http(
         with os.fdopen(fd, "wb") as out:
             num_bytes, digest = _download(weights, token, out)
         fetched = time.perf_counter()
-        _check_digest(weights, weights.uri, digest)
-        _load_into(load, weights, tmp)
+        check_digest(weights, weights.uri, digest)
+        load_into(load, weights, tmp)
         return LoadStats(num_bytes, fetched - start, time.perf_counter() - fetched)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _check_digest(weights: WeightVersion, source: str, digest: str) -> None:
+def check_digest(weights: WeightVersion, source: str, digest: str) -> None:
     if digest != weights.sha256:
         # The digest itself is not echoed: an error message must not become a way to hash files.
         raise WeightError(f"weight version {weights.version}: sha256 of {source} does not match the published one")
 
 
-def _load_into(load: Callable[[Path], None], weights: WeightVersion, path: Path) -> None:
+def load_into(load: Callable[[Path], None], weights: WeightVersion, path: Path) -> None:
     try:
         load(path)
     except Exception as err:  # safetensors raises several types for a truncated or alien file
         raise WeightError(f"weight version {weights.version}: cannot load {weights.uri}: {err}") from err
 
 
-class _Transient(Exception):
+class Transient(Exception):
     """A failed fetch worth retrying: the connection broke, the body was cut short, or the server said 5xx."""
 
 
 def _download(weights: WeightVersion, token: str | None, out: BinaryIO) -> tuple[int, str]:
     """Stream weights.uri into `out`, hashing as it goes; (bytes, sha256 hex). Retries with back-off."""
-    # identity: the sha256 and Content-Length are of the file's bytes, so no proxy may compress them
-    headers = {"Accept-Encoding": "identity"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    with httpx.Client(timeout=_HTTP_TIMEOUT, headers=headers) as client:
-        for attempt, delay in enumerate((*_RETRY_BACKOFF_S, None), start=1):
+    with httpx.Client(timeout=_HTTP_TIMEOUT, headers=download_headers(token)) as client:
+        for attempt, delay in enumerate((*RETRY_BACKOFF_S, None), start=1):
             try:
                 return _download_once(client, weights, out)
-            except _Transient as err:
+            except Transient as err:
                 if delay is None:
                     raise WeightError(
                         f"weight version {weights.version}: cannot fetch {weights.uri} after {attempt} attempts: {err}"
@@ -315,6 +362,14 @@ def _download(weights: WeightVersion, token: str | None, out: BinaryIO) -> tuple
     raise AssertionError("unreachable")
 
 
+def download_headers(token: str | None) -> dict[str, str]:
+    # identity: the sha256 and Content-Length are of the file's bytes, so no proxy may compress them
+    headers = {"Accept-Encoding": "identity"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
 def _download_once(client: httpx.Client, weights: WeightVersion, out: BinaryIO) -> tuple[int, str]:
     out.seek(0)
     out.truncate()  # a retry starts over: no Range requests, the whole file is hashed in one pass
@@ -322,7 +377,7 @@ def _download_once(client: httpx.Client, weights: WeightVersion, out: BinaryIO) 
     num_bytes = 0
     try:
         with client.stream("GET", weights.uri) as response:
-            _check_status(weights, response)
+            check_status(weights, response)
             for chunk in response.iter_raw():
                 num_bytes += len(chunk)
                 _check_not_too_long(weights, num_bytes)
@@ -330,18 +385,18 @@ def _download_once(client: httpx.Client, weights: WeightVersion, out: BinaryIO) 
                 out.write(chunk)
             expected = response.headers.get("content-length")
     except httpx.TransportError as err:
-        raise _Transient(f"{type(err).__name__}: {err}") from err
+        raise Transient(f"{type(err).__name__}: {err}") from err
     if expected is not None and num_bytes != int(expected):
-        raise _Transient(f"body cut short: {num_bytes} of {expected} bytes")
+        raise Transient(f"body cut short: {num_bytes} of {expected} bytes")
     return num_bytes, digest.hexdigest()
 
 
-def _check_status(weights: WeightVersion, response: httpx.Response) -> None:
+def check_status(weights: WeightVersion, response: httpx.Response) -> None:
     code = response.status_code
     if code == 200:
         return
     if code >= 500:
-        raise _Transient(f"HTTP {code}")
+        raise Transient(f"HTTP {code}")
     if code == 404:
         reason = "not found (pruned, or never published here)"
     elif code in (401, 403):
@@ -367,8 +422,9 @@ class WeightServer:
 
     The standard library's ThreadingHTTPServer: one thread per connection, at most `max_connections` of them (a
     connection beyond is answered 503 and closed: the generators' fetch retries it), and the body goes out with
-    sendfile(2), so a 540 MB file is never read into Python memory. A connection that sends no request within
-    `idle_timeout_s` is closed, so idle ones cannot hold the slots. With `token`, every request needs
+    sendfile(2), so a 540 MB file is never read into Python memory. `Range: bytes=N-` is served (206): a relayed
+    transfer whose relay failed resumes here at its first unverified byte (core/relay.py). A connection that sends
+    no request within `idle_timeout_s` is closed, so idle ones cannot hold the slots. With `token`, every request needs
     `Authorization: Bearer <token>` (401 otherwise), checked before the path so unauthenticated clients learn
     nothing about which versions exist.
     """
@@ -388,7 +444,7 @@ class WeightServer:
         self.token = token
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
-        self._server: _HTTPServer | None = None
+        self._server: WeightHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -401,7 +457,7 @@ class WeightServer:
         """Bind, serve in a daemon thread, and return the bound port (useful with port=0)."""
         if self._server is not None:
             raise RuntimeError("WeightServer already started")
-        server = _HTTPServer((self.host, self.requested_port), _WeightHandler, self.max_connections)
+        server = WeightHTTPServer((self.host, self.requested_port), WeightHandler, self.max_connections)
         server.weights_dir = self.weights_dir
         server.idle_timeout_s = self.idle_timeout_s
         server.expected_auth = f"Bearer {self.token}".encode() if self.token else None
@@ -440,7 +496,7 @@ class WeightServer:
         self.stop()
 
 
-class _HTTPServer(ThreadingHTTPServer):
+class WeightHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stalled download must not keep the trainer from exiting
     request_queue_size = 128  # listen backlog: many generators connect at once when a version is published
     weights_dir: Path
@@ -486,8 +542,8 @@ class _HTTPServer(ThreadingHTTPServer):
         self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
 
 
-class _WeightHandler(BaseHTTPRequestHandler):
-    server: _HTTPServer
+class WeightHandler(BaseHTTPRequestHandler):
+    server: WeightHTTPServer
     protocol_version = "HTTP/1.1"
     timeout = 60  # per socket operation of a transfer: a client that stops reading frees its thread
 
@@ -511,12 +567,45 @@ class _WeightHandler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         match = _REQUEST_TARGET.fullmatch(self.path)
-        fd = self._open(match.group(1)) if match else None
+        if match is None:
+            self.send_error(404)
+            return
+        offset = self._range_start()
+        if offset is None:
+            self.send_error(416, "only Range: bytes=N- is served")
+            return
+        self.send_named(match.group(1), offset, send_body)
+
+    def _range_start(self) -> int | None:
+        """The offset a `Range: bytes=N-` asks for (0 without one); None for any other Range."""
+        wanted = self.headers.get("Range")
+        if wanted is None:
+            return 0
+        match = _RANGE.fullmatch(wanted.strip())
+        return int(match.group(1)) if match else None
+
+    def send_named(self, name: str, offset: int, send_body: bool) -> None:
+        """The file `name` of weights_dir from `offset` on (a relay's handler serves its transfer instead)."""
+        fd = self._open(name)
         if fd is None:
             self.send_error(404)
             return
         with os.fdopen(fd, "rb") as f:
-            self._send_file(f, send_body)
+            self._send_file(f, offset, send_body)
+
+    def send_head(self, size: int, offset: int) -> bool:
+        """The status and headers of bytes offset..size-1 of a file: 200 for all of it, 206 for a tail, 416 past
+        its end (False: nothing more to send)."""
+        if offset and offset >= size:
+            self.send_error(416)
+            return False
+        self.send_response(206 if offset else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(size - offset))
+        if offset:
+            self.send_header("Content-Range", f"bytes {offset}-{size - 1}/{size}")
+        self.end_headers()
+        return True
 
     def _authorized(self) -> bool:
         expected = self.server.expected_auth
@@ -537,16 +626,12 @@ class _WeightHandler(BaseHTTPRequestHandler):
             return None
         return fd
 
-    def _send_file(self, f: BinaryIO, send_body: bool) -> None:
+    def _send_file(self, f: BinaryIO, offset: int, send_body: bool) -> None:
         size = os.fstat(f.fileno()).st_size
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(size))
-        self.end_headers()
-        if not send_body:
+        if not self.send_head(size, offset) or not send_body:
             return
         try:
-            self.connection.sendfile(f, 0, size)
+            self.connection.sendfile(f, offset, size - offset)
         except OSError as err:  # the client went away (a restarting generator): nothing to clean up
             log.debug("weight download of %s ended early: %s", self.path, err)
             self.close_connection = True

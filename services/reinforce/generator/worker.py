@@ -9,13 +9,14 @@ batch's prompts stay unacknowledged and the whole batch is sampled again: no gro
 
 Control plane (FastAPI, on --host:--port): GET /healthz, GET /readyz, GET /metrics (Prometheus; also alone on
 --metrics-port when given, the port a pod opens to Prometheus),
-GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between
-batches). A posted version is accepted only if it is the run's published one, exactly as the trainer announced it
-in Redis (version, uri and sha256): the control token lets the reconciler say "load the latest now", never
-"load this file". A prompt names the oldest weight version allowed to sample it (strictly on-policy: its step's own
-version); it waits, unacknowledged, until such a version is loaded, and a stale prompt (its step already
-trained, or enqueued by a trainer that restarted from an earlier checkpoint) is acknowledged without work.
-Every sample of a group comes from one version, which the group records.
+GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between batches;
+with "relaySources", the ancestors' relays of weights.distribution relay, it is fetched at once by core/relay.py,
+which serves it on to this generator's successors as it arrives). A posted version is accepted only if it is the
+run's published one, exactly as the trainer announced it in Redis (version, uri and sha256): the control token lets
+the reconciler say "load the latest now", never "load this file". A prompt names the oldest weight version allowed
+to sample it (strictly on-policy: its step's own version); it waits, unacknowledged, until such a version is loaded,
+and a stale prompt (its step already trained, or enqueued by a trainer that restarted from an earlier checkpoint) is
+acknowledged without work. Every sample of a group comes from one version, which the group records.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from google.protobuf.json_format import ParseDict, ParseError
+from google.protobuf.json_format import ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 from transformers import AutoConfig
 
@@ -49,6 +50,7 @@ from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
+from reinforce.core.relay import Relay, parse_load_request
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
@@ -92,8 +94,10 @@ class Generator:
         weights_token: str = "",
         weights_url: str | None = None,
         environment: tuple[str, str] | None = None,
+        relay_host: str = LOCAL_HOST,
     ) -> None:
-        """`environment`: the environment service's (url, token), needed with environment.enabled."""
+        """`environment`: the environment service's (url, token), needed with environment.enabled. With a
+        `weights_url` the generator also relays versions to others (core/relay.py), on `relay_host`, any free port."""
         self.spec = spec
         self.name = name
         self.weights_token = weights_token  # the trainer's weight endpoint's (weights.transport http)
@@ -105,6 +109,7 @@ class Generator:
         self.engine = build_engine(spec.generation, paths.initial_policy, spec.algorithm.num_rollouts_per_prompt)
         log.info("generation engine: %s", self.engine.name)
         self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads
+        self.relay = self._relay(weights_url, relay_host)
         self.stopping = threading.Event()
         queue = connect(redis_url, max_outage_s=spec.queue.max_outage_s, stopping=self.stopping)
         self.queue = RolloutQueue(queue, spec.name)
@@ -115,6 +120,13 @@ class Generator:
         self.held: list[tuple[str, Prompt]] = []  # prompts waiting for a newer weight version
         self.episodes = self._episode_runner(paths, environment) if spec.environment.enabled else None
 
+    def _relay(self, weights_url: str | None, host: str) -> Relay | None:
+        if weights_url is None:  # weights.transport file: every generator reads the shared folder
+            return None
+        relay = Relay(self.weight_cache / "relay", self.weights_token, host, stall_s=self.spec.weights.relay_stall_s)
+        relay.start()
+        return relay
+
     def _episode_runner(self, paths: RunPaths, environment: tuple[str, str] | None) -> EpisodeRunner:
         if environment is None:
             raise ValueError("environment.enabled: the generator needs --environment-url and its token")
@@ -124,8 +136,9 @@ class Generator:
         return EpisodeRunner(self.engine, ObservationFormat(tokenizer, self.spec.data.chat_template, eos), *environment)
 
     # ---- weights -----------------------------------------------------------------------------------
-    def request_weights(self, weights: WeightVersion) -> None:
+    def request_weights(self, weights: WeightVersion, relay_sources: list[str] | None = None) -> None:
         """Accept `weights` if it is the run's published version, exactly; raise NotPublished otherwise.
+        With `relay_sources` (the ancestors' relays, nearest first) it is fetched by the relay at once.
 
         The latest request wins, older or newer: a trainer resumed from a checkpoint rolls the version back.
         The reconciler posts what it read from Redis; should the trainer publish again in between, this
@@ -140,6 +153,8 @@ class Generator:
                 f"weight version {weights.version} ({weights.uri}) is not the run's published weight version "
                 f"({'none yet' if published is None else published.version})"
             )
+        if relay_sources is not None and self.relay is not None:
+            self.relay.request(published, relay_sources)
         with self.weights.lock:
             self.weights.desired = weights
 
@@ -165,9 +180,13 @@ class Generator:
                 return
         start = time.perf_counter()
         try:
-            stats = load_verified(
-                self.engine.load_weights, desired, self.sources, cache_dir=self.weight_cache, token=self.weights_token
-            )
+            if self.relay is not None and self.relay.requested(desired):
+                stats = self.relay.load(self.engine.load_weights, desired, self.sources)
+            else:
+                stats = load_verified(
+                    self.engine.load_weights, desired, self.sources, cache_dir=self.weight_cache,
+                    token=self.weights_token,
+                )  # fmt: skip
         except WeightError as err:
             log.error("refusing weights: %s", err)
             with self.weights.lock:
@@ -379,12 +398,15 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
     def get_weights() -> dict:
         with gen.weights.lock:
             desired = gen.weights.desired.version if gen.weights.desired else None
-            return {
+            body = {
                 "loaded_version": gen.weights.loaded,
                 "loads": gen.weights.loads,
                 "desired_version": desired,
                 "last_error": gen.weights.last_error,
             }
+        if gen.relay is not None:  # where other generators fetch from this one (at its control address's host)
+            body.update(relay_port=gen.relay.port, relay_version=gen.relay.held_version())
+        return body
 
     # The body is read by hand, after `authorized` ran (FastAPI would parse a declared body parameter first),
     # and at most MAX_CONTROL_BODY_BYTES of it: no unauthenticated or oversized body is ever held in memory.
@@ -394,12 +416,12 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
         if body is None:
             return _error(413, f"a WeightVersion body is at most {MAX_CONTROL_BODY_BYTES} bytes")
         try:
-            weights = ParseDict(json.loads(body), WeightVersion())
+            weights, relay_sources = parse_load_request(json.loads(body))
         except (ParseError, ValueError, TypeError, AttributeError) as err:  # ParseDict raises these for non-objects
             return _error(422, f"not a WeightVersion: {err}")
         try:
-            await run_in_threadpool(gen.request_weights, weights)  # reads Redis: off the event loop
-        except NotPublished as err:
+            await run_in_threadpool(gen.request_weights, weights, relay_sources)  # reads Redis: off the event loop
+        except (NotPublished, WeightError) as err:
             return _error(409, str(err))
         return JSONResponse({"accepted_version": weights.version}, status_code=202)
 
@@ -441,8 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     configure_threads()
     environment = (args.environment_url, os.environ.get(ENVIRONMENT_TOKEN_ENV, "")) if args.environment_url else None
     gen = Generator(
-        load_spec(args.spec), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url, environment
-    )
+        load_spec(args.spec), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url, environment,
+        relay_host=args.host,
+    )  # fmt: skip
     config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
@@ -453,4 +476,6 @@ def main(argv: list[str] | None = None) -> None:
         gen.run()
     finally:
         server.should_exit = True
+        if gen.relay is not None:
+            gen.relay.stop()
         shutil.rmtree(gen.weight_cache, ignore_errors=True)

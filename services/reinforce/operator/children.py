@@ -60,7 +60,7 @@ from reinforce.core.names import (
     REWARD_LIVE_PATH,
     WEIGHTS_TOKEN_ENV,
 )
-from reinforce.core.spec import TrainingSpec, _Section, dump_spec
+from reinforce.core.spec import TrainingSpec, WeightsSpec, _Section, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT
 from reinforce.operator.podtemplate import strategic_merge
 from reinforce.operator.resource import (
@@ -262,11 +262,15 @@ def children(run: Run) -> list[dict[str, Any]]:
     return objects
 
 
+def kubernetes_weights(weights: WeightsSpec) -> WeightsSpec:
+    """On Kubernetes the generators do not share the trainer's volume: weights always go over HTTP, relayed from
+    generator to generator unless the spec says direct."""
+    return weights.model_copy(update={"transport": "http", "distribution": weights.distribution or "relay"})
+
+
 def services_spec_yaml(run: Run) -> str:
-    # On Kubernetes the generators do not share the trainer's volume: weights always go over HTTP.
     spec = run.spec.run_spec(RUN_DIR)
-    spec = spec.model_copy(update={"weights": spec.weights.model_copy(update={"transport": "http"})})
-    return dump_spec(spec)
+    return dump_spec(spec.model_copy(update={"weights": kubernetes_weights(spec.weights)}))
 
 
 def spec_config_map(run: Run) -> dict[str, Any]:
@@ -281,9 +285,7 @@ def spec_config_map(run: Run) -> dict[str, Any]:
 def secrets_secret(run: Run) -> dict[str, Any]:
     """Fresh random values: the operator creates this once and never replaces it (see CREATE_ONLY). One token per
     capability (SECRET_KEYS); each pod's environment takes only its service's (launch.Service.credentials)."""
-    values = {
-        key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if _needs(run, name)
-    }
+    values = {key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if _needs(run, name)}
     if run.spec.kubernetes.external_redis_secret is None:
         password = secrets.token_urlsafe(24)
         values["redis-password"] = password

@@ -43,7 +43,7 @@ from kubernetes import client, config
 from reinforce.core.metrics import TRAINER_STEP, prometheus_name, scrape
 from reinforce.core.names import COMPONENT_CRITIC, K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
 from reinforce.core.queue import RolloutQueue
-from reinforce.core.rollout import GeneratorWeights, WeightReconciler
+from reinforce.core.rollout import GeneratorWeights, WeightReconciler, relay_fanout
 from reinforce.core.spec import RunSpec, SpecError, respell
 from reinforce.operator.children import (
     REDIS_URL_KEY,
@@ -51,6 +51,7 @@ from reinforce.operator.children import (
     Run,
     children,
     generator_port,
+    kubernetes_weights,
     services_spec_yaml,
     trainer_pods,
 )
@@ -236,7 +237,9 @@ def weight_reconciler(api: client.ApiClient, run: Run, memory: RunMemory) -> Wei
         memory.close()
         connection = redis.Redis.from_url(url, socket_timeout=HTTP_TIMEOUT_S, socket_connect_timeout=HTTP_TIMEOUT_S)
         token = secret_value(api, run.namespace, run.child("secrets"), "control-token")
-        memory.reconciler = WeightReconciler(RolloutQueue(connection, run.name), {}, token, timeout_s=HTTP_TIMEOUT_S)
+        fanout = relay_fanout(kubernetes_weights(run.spec.weights))
+        queue = RolloutQueue(connection, run.name)
+        memory.reconciler = WeightReconciler(queue, {}, token, timeout_s=HTTP_TIMEOUT_S, relay_fanout=fanout)
         memory.redis_url = url
     return memory.reconciler
 

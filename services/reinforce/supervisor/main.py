@@ -52,7 +52,7 @@ from reinforce.core.names import (
 )
 from reinforce.core.optional import MissingPackage, require_engine
 from reinforce.core.queue import RolloutQueue, connect
-from reinforce.core.rollout import WeightReconciler
+from reinforce.core.rollout import WeightReconciler, relay_fanout
 from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT, THREADS_ENV, thread_count
@@ -353,7 +353,8 @@ class Supervisor:
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
         # the supervisor's loop must not stall while it restarts Redis itself.
         queue = RolloutQueue(connect(self.credentials[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
-        reconciler = WeightReconciler(queue, generator_urls, self.credentials[CONTROL_TOKEN_ENV])
+        fanout = relay_fanout(self.spec.weights)
+        reconciler = WeightReconciler(queue, generator_urls, self.credentials[CONTROL_TOKEN_ENV], relay_fanout=fanout)
         try:
             self.watch(trainer, reconciler)
         finally:
