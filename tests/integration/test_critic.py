@@ -21,12 +21,13 @@ import uvicorn
 import yaml
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
+from reinforce.core.checkpoints import checkpoint_step, list_checkpoints
 from reinforce.core.critic_api import Minibatch
 from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.names import CRITIC_TOKEN_ENV
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
-from reinforce.critic.server import SET_ASIDE, Critic, CriticConfig, create_app, list_checkpoints, main
+from reinforce.critic.server import SET_ASIDE, Critic, CriticConfig, create_app, main
 from reinforce.critic.value_model import load_value_model, response_values
 
 TOKEN = "critic-test-token"
@@ -260,14 +261,14 @@ def test_restore_goes_back_and_drops_newer_checkpoints(config: CriticConfig) -> 
         assert client.values(PROMPTS, RESPONSES) == at_one
         with pytest.raises(CriticError, match="404"):
             client.restore(7)
-    assert [s for s, _ in list_checkpoints(config.checkpoints)] == [1]
+    assert [checkpoint_step(p) for p in list_checkpoints(config.checkpoints)] == [1]
 
 
 def test_only_the_newest_checkpoints_are_kept_and_a_step_can_be_rewritten(config: CriticConfig) -> None:
     with serving(Critic(config)) as client:
         for step in (1, 2, 3, 3):
             client.checkpoint(step)
-    assert [p.name for _, p in list_checkpoints(config.checkpoints)] == ["step-000002", "step-000003"]
+    assert [p.name for p in list_checkpoints(config.checkpoints)] == ["step-000002", "step-000003"]
     assert sorted(p.name for p in config.checkpoints.iterdir()) == ["step-000002", "step-000003"]  # no leftovers
 
 
@@ -433,9 +434,9 @@ def test_restore_behind_the_trainers_newest_checkpoint_is_refused(config: Critic
         for behind in (0, 1):
             with pytest.raises(CriticError, match=r"409.*behind the trainer's newest checkpoint.*step-000002"):
                 client.restore(behind)
-        assert [s for s, _ in list_checkpoints(config.checkpoints)] == [2, 4]
+        assert [checkpoint_step(p) for p in list_checkpoints(config.checkpoints)] == [2, 4]
         assert client.restore(2).step == 2  # where the trainer resumes: allowed, and step 4 goes aside
-    assert [s for s, _ in list_checkpoints(config.checkpoints)] == [2]
+    assert [checkpoint_step(p) for p in list_checkpoints(config.checkpoints)] == [2]
 
 
 def test_requests_past_the_caps_are_413_naming_the_cap(config: CriticConfig) -> None:

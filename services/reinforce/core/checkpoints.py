@@ -1,19 +1,27 @@
-"""Checkpoint folders of a run (RUN_DIR/checkpoints/step-NNNNNN) and their manifests.
+"""Checkpoint folders (ROOT/step-NNNNNN), their durable rotation and their manifests.
 
-The trainer writes them (trainer/checkpoint.py); the supervisor reads their manifests before it starts anything, to
-refuse another run's checkpoints with one line. A manifest (manifest.json, written last) holds the run's id
-(RUN_DIR/run_id) and each other file's size and sha256.
+The trainer (trainer/checkpoint.py, RUN_DIR/checkpoints) and the critic (critic/server.py,
+RUN_DIR/critic_checkpoints) write them alike: into a staging folder (`start_checkpoint`), then `commit_checkpoint`
+fsyncs it, renames it into place and keeps the newest K. A crash leaves the old checkpoints and no half-written one;
+the rotation runs after the new checkpoint is durable and never deletes it. The supervisor reads the trainer's
+manifests before it starts anything, to refuse another run's checkpoints with one line. A manifest (manifest.json,
+written last) holds the run's id (RUN_DIR/run_id) and each other file's size and sha256.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+from reinforce.core.durable import fsync_tree, replace_durably
 from reinforce.core.weights import sha256_of
 
 CHECKPOINT_PREFIX = "step-"
 MANIFEST = "manifest.json"
+# Staging folders and a redone step's old folder start with "." : never a checkpoint to list, resume or rotate.
+_STAGING = ".tmp-"
+_REPLACED = ".old-"
 
 
 class ForeignCheckpoint(RuntimeError):
@@ -21,7 +29,51 @@ class ForeignCheckpoint(RuntimeError):
 
 
 def list_checkpoints(root: Path) -> list[Path]:
+    """Every complete checkpoint folder, oldest first."""
     return sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+
+
+def checkpoint_folder(root: Path, step: int) -> Path:
+    return root / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def checkpoint_step(folder: Path) -> int:
+    return int(folder.name.removeprefix(CHECKPOINT_PREFIX))
+
+
+def staging_folder(root: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before `commit_checkpoint` names it complete."""
+    return root / f"{_STAGING}{checkpoint_folder(root, step).name}"
+
+
+def start_checkpoint(root: Path, step: int) -> Path:
+    """An empty staging folder for checkpoint `step` (what a crashed attempt left there is removed)."""
+    staging = staging_folder(root, step)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit_checkpoint(staging: Path, keep: int, run_id: str | None = None) -> Path:
+    """Name a filled staging folder a checkpoint, durably, then keep the newest `keep` checkpoints.
+
+    With `run_id` the manifest is written first (it vouches for every other file). Every file is fsynced before the
+    rename that promises the checkpoint complete. The same step again (a redone step) moves the old folder aside
+    rather than deleting it before the rename. The rotation deletes older checkpoints only, never this one."""
+    if run_id is not None:
+        write_manifest(staging, run_id)
+    fsync_tree(staging)
+    final = staging.with_name(staging.name.removeprefix(_STAGING))
+    replaced = staging.with_name(_REPLACED + final.name)
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        replace_durably(final, replaced)
+    replace_durably(staging, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+    for old in list_checkpoints(final.parent)[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def write_manifest(folder: Path, run_id: str) -> None:

@@ -36,8 +36,6 @@ import json
 import logging
 import math
 import os
-import re
-import shutil
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +52,13 @@ from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
 
 from reinforce.core.bearer import bearer_dependency, read_body
+from reinforce.core.checkpoints import (
+    checkpoint_folder,
+    checkpoint_step,
+    commit_checkpoint,
+    list_checkpoints,
+    start_checkpoint,
+)
 from reinforce.core.critic_api import (
     CHECKPOINT_PATH,
     RESTORE_PATH,
@@ -135,57 +140,23 @@ class CriticConfig:
 #     optimizer.pt        AdamW state: tensors and numbers only, read back with torch.load(weights_only=True)
 #     rng.pt              torch RNG state(s)
 #     critic_state.json   {"step": ..., "train_steps": ...}
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 SET_ASIDE = "set-aside"  # checkpoints a restore went back past, kept for the user to inspect or delete
-
-
-def checkpoint_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:06d}"
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint, oldest first; temporary folders start with '.' and never match."""
-    found = [(int(m.group(1)), p) for p in root.glob("step-*") if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(found)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
     root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_steps: int, keep: int
 ) -> Path:
-    """Write into a temporary folder, fsync, then rename: a crash leaves the old checkpoints and no half-written one."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir(root, step)
-    tmp = root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    """Written and rotated as the trainer's are (core/checkpoints.py): a crash leaves the old checkpoints and no
+    half-written one."""
+    staging = start_checkpoint(root, step)
+    save_model(model, str(staging / "model.safetensors"))
+    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "critic_state.json").write_text(json.dumps({"step": step, "train_steps": train_steps}))
-    for path in (*tmp.iterdir(), tmp):
-        _fsync(path)
-    # The same step again (a trainer that redid it): move the old one aside rather than delete it before the rename.
-    aside = root / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    os.replace(tmp, final)
-    _fsync(root)
-    shutil.rmtree(aside, ignore_errors=True)
-    for _, old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    torch.save(rng, staging / "rng.pt")
+    (staging / "critic_state.json").write_text(json.dumps({"step": step, "train_steps": train_steps}))
+    return commit_checkpoint(staging, keep)
 
 
 def set_aside(checkpoint: Path) -> Path:
@@ -231,8 +202,8 @@ class Critic:
         self.vocab_size = int(self.model.config.vocab_size)
         checkpoints = list_checkpoints(config.checkpoints)
         if checkpoints:
-            self._load(*checkpoints[-1])
-            log.info("resumed from %s (%d optimizer steps)", checkpoints[-1][1], self.train_steps)
+            self._load(checkpoint_step(checkpoints[-1]), checkpoints[-1])
+            log.info("resumed from %s (%d optimizer steps)", checkpoints[-1], self.train_steps)
 
     def _initialise(self) -> None:
         """The value model, AdamW and counters as a fresh critic has them (the same bytes every time)."""
@@ -355,15 +326,15 @@ class Critic:
         self._check_not_behind_trainer(step)
         root = self.config.checkpoints
         with self.lock:
-            path = checkpoint_dir(root, step)
+            path = checkpoint_folder(root, step)
             if path.is_dir():
                 self._load(step, path)
             elif step == 0:
                 self._initialise()
             else:
                 raise FileNotFoundError(f"no critic checkpoint for step {step} in {root}")
-            for newer_step, newer in list_checkpoints(root):
-                if newer_step > step:
+            for newer in list_checkpoints(root):
+                if checkpoint_step(newer) > step:
                     log.warning("restored step %d: checkpoint %s moved aside to %s", step, newer, set_aside(newer))
         log.info("restored step %d", step)
         return CheckpointResponse(step=step, path=str(path), train_steps=self.train_steps)
@@ -371,9 +342,9 @@ class Critic:
     def _check_not_behind_trainer(self, step: int) -> None:
         folder = self.config.trainer_checkpoints
         trainer = list_checkpoints(folder) if folder is not None else []
-        if trainer and step < trainer[-1][0]:
+        if trainer and step < checkpoint_step(trainer[-1]):
             raise RestoreRefused(
-                f"step {step} is behind the trainer's newest checkpoint ({trainer[-1][1]}), where a resumed trainer "
+                f"step {step} is behind the trainer's newest checkpoint ({trainer[-1]}), where a resumed trainer "
                 "starts: the critic stays where it is"
             )
 

@@ -10,16 +10,15 @@ checkpoints/step-000010/
 
 A resume takes the newest checkpoint whose files match its manifest: a damaged one (a truncated or changed file,
 no manifest) is renamed damaged-step-NNNNNN, logged naming the file, and the one before is used. A checkpoint
-whose manifest names another run is refused, naming both run ids: its files belong to another history. The
-rotation (`keep`) runs after a checkpoint is written and hashed from the disk, and deletes only older ones, so
-the newest known-good checkpoint is always kept.
+whose manifest names another run is refused, naming both run ids: its files belong to another history. Writing,
+renaming and the rotation (`keep`) are core/checkpoints.py's, shared with the critic: the rotation runs after a
+checkpoint is written, hashed and durable, and deletes only older ones, so the newest known-good one is kept.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +26,15 @@ from typing import Any
 import torch
 
 from reinforce.core.checkpoints import (
-    CHECKPOINT_PREFIX,
+    checkpoint_folder,
+    commit_checkpoint,
     damage,
     list_checkpoints,
     refuse_foreign_checkpoints,
-    write_manifest,
+    staging_folder,
+    start_checkpoint,
 )
-from reinforce.core.durable import fsync_tree, replace_durably
+from reinforce.core.durable import replace_durably
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.distributed import Ranks
 
@@ -60,26 +61,19 @@ def save_checkpoint(
 
     `run_id` (the main process's; others may pass "") goes into the manifest."""
     ranks = ranks or Ranks()
-    final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
-    tmp = root / f".tmp-{CHECKPOINT_PREFIX}{state.step:06d}"
+    staging = staging_folder(root, state.step)
     if ranks.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        start_checkpoint(root, state.step)
     ranks.barrier()
     if backend.sharded or ranks.is_main:
-        backend.save_state(tmp)
+        backend.save_state(staging)
     ranks.barrier()  # every part written before the main process names the folder complete
     if ranks.is_main:
-        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
-        write_manifest(tmp, run_id)  # last: it vouches for every other file
-        fsync_tree(tmp)  # the data on disk before the name that promises it is complete
-        shutil.rmtree(final, ignore_errors=True)
-        replace_durably(tmp, final)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        torch.save({"torch": torch.get_rng_state()}, staging / "rng.pt")
+        (staging / "trainer_state.json").write_text(json.dumps(state.__dict__))
+        commit_checkpoint(staging, keep, run_id)
     ranks.barrier()
-    return final
+    return checkpoint_folder(root, state.step)
 
 
 def newest_intact_checkpoint(root: Path, run_id: str, ranks: Ranks | None = None) -> Path | None:
