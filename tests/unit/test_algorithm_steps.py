@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from reinforce.core.critic_api import CheckpointResponse, Minibatch, ReadyResponse, TrainResponse
-from reinforce.core.critic_client import CriticError
 from reinforce.core.metrics import STEP_METRICS
 from reinforce.core.models import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
@@ -19,6 +18,7 @@ from reinforce.trainer.algorithms.ppo_trainer import PPO
 from reinforce.trainer.algorithms.reinforce import Reinforce
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
+from reinforce.trainer.critic_client import CriticError
 from reinforce.trainer.distributed import Ranks
 
 K, PROMPTS = 2, 4

@@ -1,8 +1,10 @@
-"""The layout's one rule: a service imports `reinforce.core` and itself, never another service; core imports none."""
+"""The layout's rules: a service imports `reinforce.core` and itself, never another service; core imports none; and
+core holds only what two or more services use (issue 23, item 1)."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "services" / "reinforce"
 SERVICES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name != "core")
 
 
-def imported_modules(source: Path) -> set[str]:
+def imported_modules(source: Path, with_names: bool = False) -> set[str]:
+    """Modules a file imports; with_names, also `package.name` for each name of a `from package import name`."""
     tree = ast.parse(source.read_text(), filename=str(source))
     found = set()
     for node in ast.walk(tree):
@@ -19,6 +22,8 @@ def imported_modules(source: Path) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
+            if with_names:
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -44,3 +49,36 @@ def test_a_service_imports_only_core_and_itself(service):
 
 def test_core_imports_no_service():
     assert foreign_imports("core", {"core"}) == []
+
+
+@functools.cache
+def core_users() -> dict[str, set[str]]:
+    """core module -> the services that import it (`from reinforce.core import x` counts as a use of x)."""
+    users: dict[str, set[str]] = {}
+    for service in SERVICES:
+        for source in (PACKAGE / service).rglob("*.py"):
+            for module in imported_modules(source, with_names=True):
+                parts = module.split(".")
+                if parts[:2] == ["reinforce", "core"] and len(parts) > 2:
+                    users.setdefault(parts[2], set()).add(service)
+    return users
+
+
+CORE_MODULES = sorted(p.stem for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+# Core modules with one user, kept in core: each is imported by generator/worker.py, whose imports the generator's
+# own rework rewrites; they move into generator/ with that change, not beside it.
+ONE_USER = {
+    "reward_client": "the generator's client of the reward server (generator/worker.py)",
+    "environment_client": "the generator's client of the environment service (generator/worker.py, episodes.py)",
+    "relay": "the generators' weight relay (generator/worker.py)",
+}
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_every_core_module_has_two_users_among_the_services(module):
+    """core holds what crosses a process boundary: a module one service alone uses belongs in that service."""
+    users = core_users().get(module, set())
+    if module in ONE_USER:
+        assert len(users) == 1, f"core/{module}.py is no longer one service's: drop it from ONE_USER"
+    else:
+        assert len(users) >= 2, f"core/{module}.py is used by {sorted(users) or 'no service'}: move it there"

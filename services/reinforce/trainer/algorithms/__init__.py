@@ -17,8 +17,8 @@ def build_algorithm(spec: RunSpec, ranks: Ranks, critic_url: str | None = None) 
 
         return Reinforce(spec, ranks)
     if spec.algorithm.name == "ppo":
-        from reinforce.core.critic_client import CriticClient
         from reinforce.trainer.algorithms.ppo_trainer import PPO
+        from reinforce.trainer.critic_client import CriticClient
 
         if critic_url is None:
             raise ValueError("algorithm.name ppo needs the critic service's URL (--critic-url)")

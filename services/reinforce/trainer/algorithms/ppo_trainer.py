@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from reinforce.core.critic_api import Minibatch
-from reinforce.core.critic_client import CriticClient, CriticError
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
@@ -42,6 +41,7 @@ from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whit
 from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean, mismatched_groups
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import StepBatch, generator_logprobs, in_order, micro_batches, packing_metrics, token_lists
+from reinforce.trainer.critic_client import CriticClient, CriticError
 from reinforce.trainer.distributed import Ranks
 
 

@@ -31,7 +31,7 @@ from reinforce.core.critic_api import (
 )
 from reinforce.core.names import READY_PATH
 
-log = logging.getLogger("reinforce.core.critic_client")
+log = logging.getLogger(__name__)
 
 
 class CriticError(RuntimeError):
