@@ -74,8 +74,10 @@ def test_defaults_follow_nemo_aligner():
         ({"algorithm": {"advantage_estimator": "gae"}}, "algorithm.advantage_estimator: Input should be 'rloo'"),
         ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda: Input should be less than or equal"),
         ({"algorithm": {"name": "ppo", "num_minibatches": 3}}, "must be a multiple of algorithm.num_minibatches (3)"),
-        ({"algorithm": {"name": "ppo", "max_policy_lag": 1}}, "algorithm.max_policy_lag must be 0"),
-        ({"algorithm": {"name": "ppo"}, "training": {"num_ranks": 2}}, "ppo trains one data-parallel rank"),
+        (
+            {"algorithm": {"name": "ppo"}, "training": {"backend": "megatron", "num_ranks": 2}},
+            "ppo over several data-parallel ranks needs training.backend torch",
+        ),
         ({"training": {"tensor_parallel": 2, "num_ranks": 2}}, "training.tensor_parallel > 1 needs training.backend"),
         (
             {"algorithm": {"name": "ppo"}, "training": {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 4}},
@@ -204,6 +206,11 @@ def test_engine_defaults_resolve_by_engine(engine, algorithm, dtype, corrects):
     assert parse_spec(
         {**MINIMAL, "generation": {"engine": engine, "dtype": "float32"}}
     ).generation.resolved_dtype() == ("float32")
+
+
+def test_ppo_runs_over_data_parallel_ranks_and_asynchronously():
+    spec = parse_spec({**MINIMAL, "algorithm": {"name": "ppo", "max_policy_lag": 2}, "training": {"num_ranks": 2}})
+    assert (spec.training.data_parallel, spec.algorithm.max_policy_lag) == (2, 2)
 
 
 def test_clip_ranges_resolve_per_policy_loss():

@@ -223,8 +223,8 @@ def test_ppo_refuses_mismatched_groups_too(tmp_path):
 
     spec, backend = _tiny_run(tmp_path, name="ppo")
     batch = StepBatch.from_groups(_honest_and_forged(backend))
-    rollout, _, _, refused = PPO(spec, Ranks(), critic=None).rollout(batch, backend, version=0)
-    assert refused == 1
+    rollout, _, stats = PPO(spec, Ranks(), critic=None).rollout(batch, backend, version=0)
+    assert stats["train_rollouts/refused_mismatched_groups"] == 1
     assert rollout.keep.tolist() == [True, True, False, False]
     assert rollout.mask[2:].sum() == 0
 

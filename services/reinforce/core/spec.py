@@ -228,7 +228,7 @@ class AlgorithmSpec(_Section):
         0,
         ge=0,
         description="0: strictly on-policy. n > 0: generators keep sampling while the trainer trains, with "
-        "weights up to n versions old, corrected by truncated importance weights (reinforce only).",
+        "weights up to n versions old, corrected by truncated importance weights.",
     )
     importance_weight_cap: float = Field(
         2.0,
@@ -719,14 +719,12 @@ class RunSpec(_Section):
             )
         a = self.algorithm
         if a.name == "ppo":
-            if t.data_parallel > 1:
-                # each data-parallel rank would be a critic client with its share: every critic step taken per rank
+            if t.data_parallel > 1 and t.backend != "torch":
+                # the ranks' gather for the critic is tested on the torch backend only
                 raise ValueError(
-                    "algorithm.name ppo trains one data-parallel rank (one critic client): training.num_ranks must "
-                    "equal training.tensor_parallel"
+                    "algorithm.name ppo over several data-parallel ranks needs training.backend torch: on megatron, "
+                    "training.num_ranks must equal training.tensor_parallel"
                 )
-            if a.max_policy_lag > 0:
-                raise ValueError("algorithm.name ppo is on-policy: algorithm.max_policy_lag must be 0")
             if a.correct_engine_mismatch:
                 raise ValueError("algorithm.correct_engine_mismatch is reinforce's: leave it unset with ppo")
             if a.policy_loss != "reinforce":

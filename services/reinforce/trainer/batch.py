@@ -38,6 +38,11 @@ class StepBatch:
         return cls(groups, torch.where(keep, rewards, 0.0), is_end, keep, int(trained[keep].sum()), lengths)
 
 
+def prompt_index(group: RolloutGroup) -> int:
+    """The index of a group's prompt within its step (prompt ids are "<step>-<index>")."""
+    return int(group.prompt_id.rsplit("-", 1)[1])
+
+
 def token_lists(groups: list[RolloutGroup]) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, response ids) of every sample of `groups`, one row per sample.
 

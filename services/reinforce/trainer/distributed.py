@@ -94,11 +94,11 @@ class Ranks:
         offsets = [0, *torch.cumsum(lengths, 0).tolist()]
         return [data[a:b] for a, b in itertools.pairwise(offsets)]
 
-    def share_tensor_with_model_peers(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The reader's `tensor` on every process of its model-parallel group (filled in place on the others, which
-        pass a tensor of the same shape and dtype)."""
-        if self.model_world > 1:
-            dist.broadcast(tensor, dist.get_global_rank(self.model_group, 0), group=self.model_group)
+    def broadcast_from_main(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The main process's `tensor` on every process, of every data-parallel rank and its model peers (filled in
+        place on the others, which pass a tensor of the same shape and dtype)."""
+        if self.world * self.model_world > 1:
+            dist.broadcast(tensor, 0)
         return tensor
 
     def sum(self, value: int) -> int:
@@ -121,14 +121,23 @@ class Ranks:
 
         Done by hand rather than by DistributedDataParallel: DDP's hooks need its own forward, and the
         trainer runs the model body and the LM head separately (no full-vocabulary logits over prompts).
+        A rank may have had nothing to train (PPO: no sample of its share in a minibatch): its missing gradients
+        count as zeros, and a parameter keeps no gradient only where no rank had one (AdamW then skips it, as it
+        would with one rank).
         """
         if self.world == 1:
             return
-        grads = [p.grad for p in parameters if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
+        parameters = list(parameters)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+        present = torch.tensor([p.grad is not None for p in parameters], dtype=grads[0].dtype, device=grads[0].device)
+        flat = _flatten_dense_tensors([*grads, present])
         dist.all_reduce(flat, group=self.group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(reduced)
+        *reduced, anywhere = _unflatten_dense_tensors(flat, [*grads, present])
+        for p, grad, total, had in zip(parameters, grads, reduced, anywhere.tolist(), strict=True):
+            if p.grad is not None:
+                grad.copy_(total)
+            elif had:
+                p.grad = total.clone()
 
     def gather_ints(self, values: list[int], per_rank: int) -> list[int]:
         """Every rank's `per_rank` ints, in rank order (tensors, not pickled objects)."""
@@ -138,6 +147,30 @@ class Ranks:
         everyone = [torch.empty(per_rank, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(everyone, mine, group=self.group)
         return torch.cat(everyone).tolist()
+
+    def gather_lists(self, lists: list[list[int]]) -> list[list[int]]:
+        """Every rank's int lists (each rank the same number of them, of any lengths), in rank order."""
+        if self.world == 1:
+            return lists
+        lengths = self.gather_ints([len(x) for x in lists], len(lists))
+        ranks_totals = [sum(lengths[r * len(lists) : (r + 1) * len(lists)]) for r in range(self.world)]
+        width = max(ranks_totals)
+        flat = [value for x in lists for value in x]
+        everyone = self.gather_ints(flat + [0] * (width - len(flat)), width)
+        out, offsets = [], [r * width for r in range(self.world)]
+        for i, n in enumerate(lengths):
+            rank = i // len(lists)
+            out.append(everyone[offsets[rank] : offsets[rank] + n])
+            offsets[rank] += n
+        return out
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (the same shape on each), concatenated along the first dimension in rank order."""
+        if self.world == 1:
+            return tensor
+        everyone = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(everyone, tensor.contiguous(), group=self.group)
+        return torch.cat(everyone)
 
     def reduce_metrics(self, values: dict[str, float], summed: set[str], maxed: set[str]) -> dict[str, float]:
         """Sum the `summed` metrics, take the max of `maxed`, and average the rest over ranks.

@@ -31,7 +31,6 @@ from reinforce.core.metrics import TrainerMetrics, read_metrics, shown
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
-from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.samples import discard_samples_after
 from reinforce.core.spec import RunSpec, load_spec
@@ -40,7 +39,7 @@ from reinforce.core.trackers import Trackers
 from reinforce.core.weights import WeightServer, publish
 from reinforce.trainer.algorithms import build_algorithm
 from reinforce.trainer.backends import build_backend
-from reinforce.trainer.batch import StepBatch
+from reinforce.trainer.batch import StepBatch, prompt_index
 from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from reinforce.trainer.collect import GroupCollector
 from reinforce.trainer.distributed import Ranks
@@ -271,7 +270,7 @@ class Trainer:
         # Acknowledge only once the step's effect (the new weights) is written; the reader holds the entry ids.
         if self.ranks.is_reader:
             self.queue.ack_rollouts(entry_ids)
-        indices = self.ranks.gather_ints([_prompt_index(g) for g in groups], len(groups))
+        indices = self.ranks.gather_ints([prompt_index(g) for g in groups], len(groups))
         values.update(self.rollout_stats(batch, rollout_time, trained))
         values.update(self.feeder.trained(trained))
         filtered = self.group_filter.take(trained) if self.group_filter is not None else []
@@ -384,10 +383,6 @@ def _check_finite(weights: torch.nn.Module | dict[str, torch.Tensor], version: i
     if bad:
         raise RuntimeError(f"weight version {version}: {len(bad)} tensors are not finite (first: {bad[0]}); "
                            "not published. The run resumes from its last checkpoint.")  # fmt: skip
-
-
-def _prompt_index(group: RolloutGroup) -> int:
-    return int(group.prompt_id.rsplit("-", 1)[1])
 
 
 def _append_jsonl(path: Path, row: dict) -> None:

@@ -22,7 +22,7 @@ def build_algorithm(spec: RunSpec, ranks: Ranks, critic_url: str | None = None) 
 
         if critic_url is None:
             raise ValueError("algorithm.name ppo needs the critic service's URL (--critic-url)")
-        # one critic client: the main process (PPO trains one data-parallel rank; its tensor peers get the values)
+        # one critic client: the main process (it sends the whole step, every rank's samples, and hands out the values)
         client = CriticClient(critic_url, os.environ.get(CRITIC_TOKEN_ENV, "")) if ranks.is_main else None
         return PPO(spec, ranks, client)
     raise ValueError(f"algorithm.name {spec.algorithm.name!r} is not available")

@@ -24,6 +24,11 @@ eps_low = eps_high = ratio_eps by default (ratio_eps_low / ratio_eps_high decoup
 masked_mean(max(loss1, loss2), mask * is_end), its entropy over the same mask): a response cut by max_new_tokens adds
 no gradient to the actor; `ppo_loss_mask: all` sets m_t = mask_t. The advantages are whitened, and the critic
 trained, over every kept response either way, as in NeMo-Aligner.
+Asynchronous mode (max_policy_lag > 0): mu, weights up to n versions older than pi_old, sampled the batch (its
+log-probs as the generator recorded them). Each L_clip term is then weighted by w_t = min(pi_old(y_t) / mu(y_t), cap),
+reinforce.py's truncated importance weight (importance_weight_cap), a constant: pi_old stays the proximal policy the
+ratio is clipped around, and w_t moves the expectation from mu to it (decoupled PPO, Hilton et al. 2022). On-policy
+w_t is 1 and is not applied.
 N is the number of tokens m_t counts in the whole (mini)batch: the losses are masked token means, and passing the
 batch's N to each micro-batch makes gradient accumulation add up to exactly the full-batch gradient. L_clip and H
 follow `algorithm.loss_aggregation` (token_mean above; aggregation.py); L_critic is always the token mean, and the
@@ -159,16 +164,21 @@ def ppo_policy_loss(
     normalizer: LossNormalizer | None = None,
     entropies: Tensor | None = None,
     entropy_bonus: float = 0.0,
+    importance_weights: Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped surrogate L_actor. logprobs (differentiable), old_logprobs, advantages (whitened), mask m_t, and
     the optional token entropies H_t: all [B, T]; clip: (eps_low, eps_high). normalizer: the whole minibatch's loss
-    aggregation, which L_clip and H in the loss use (None: the masked token mean over this call's tokens)."""
+    aggregation, which L_clip and H in the loss use (None: the masked token mean over this call's tokens).
+    importance_weights: asynchronous mode's w_t = min(pi_old / mu, cap) [B, T], a constant each clipped term is
+    weighted by (decoupled PPO: pi_old, the weights at the step's start, is the proximal policy; mu sampled)."""
     mask = mask.bool()
     if normalizer is None:
         normalizer = LossNormalizer("token_mean", int(mask.sum()), mask.shape[0])
     # Padding's log-ratio is set to 0 before exp: exp of garbage may overflow, and its gradient (0 * inf) be nan.
     ratio = torch.exp(torch.where(mask, logprobs - old_logprobs.detach(), 0.0))
     terms, ratio_clamped, clipped = clipped_surrogate(ratio, advantages, clip)
+    if importance_weights is not None:
+        terms = terms * importance_weights.detach()
     loss = normalizer.reduce(terms, mask)
     entropy = None
     if entropies is not None:

@@ -12,8 +12,19 @@ The formulas are ppo.py's. One step on the step's batch of B = prompts_per_step 
            critic: the same minibatches in one /v1/train request, one AdamW step each, running in a thread
                    beside the actor's steps (the critic computes in its own process)
 
-With tensor parallelism only the main process talks to the critic: it hands the values of step 1 to its tensor
-peers (the same batch on each) and alone sends the minibatches of step 3.
+Only the main process talks to the critic, and it sends what one rank would send: the step's whole batch. With
+several data-parallel ranks each reads its own share of the groups, so the ranks first gather every rank's token ids
+(the whole batch in prompt order, as one rank holds it); the main process has them valued and hands the values to
+every process (data-parallel ranks and tensor peers); after GAE it gathers the returns and sends the minibatches of
+step 3, drawn over the whole batch, in one request. Each rank's actor trains its own samples of each minibatch
+(gradients summed over ranks, the minibatch's token count too), so two ranks take the updates one rank takes.
+Why not a critic client per rank: the critic is one process with one optimizer, so per-rank requests would have to
+be joined back into one AdamW step per minibatch inside it (waiting for every rank, per request); gathering is a few
+kilobytes of token ids and floats per step, keeps the critic's API and its request caps as they are, and keeps the
+critic's updates bit-identical to one rank's.
+
+Asynchronous mode (max_policy_lag > 0): each clipped term is weighted by min(pi_old / mu, importance_weight_cap), mu
+the generator's log-probs (ppo.py).
 
 Exactness: the critic is checkpointed at the trainer's checkpoint steps (/v1/checkpoint, before the trainer's own
 files) and restored with the trainer (/v1/restore), so a resumed run repeats the same updates bit for bit. The
@@ -38,16 +49,57 @@ from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
-from reinforce.trainer.algorithms.reinforce import kl_per_token, masked_mean, mismatched_groups
+from reinforce.trainer.algorithms.reinforce import (
+    kl_per_token,
+    masked_mean,
+    mismatched_groups,
+    truncated_importance_weights,
+)
 from reinforce.trainer.backends.base import TrainerBackend
-from reinforce.trainer.batch import StepBatch, generator_logprobs, in_order, micro_batches, packing_metrics, token_lists
+from reinforce.trainer.batch import (
+    StepBatch,
+    generator_logprobs,
+    in_order,
+    micro_batches,
+    packing_metrics,
+    prompt_index,
+    token_lists,
+)
 from reinforce.trainer.critic_client import CriticClient, CriticError
 from reinforce.trainer.distributed import Ranks
 
 
 @dataclass(frozen=True)
+class WholeBatch:
+    """The step's batch of every data-parallel rank in prompt order (the batch one rank would hold): what the critic
+    is sent. Row p of it is row order[p] of the ranks' batches concatenated in rank order; this rank's sample i is its
+    row positions[i]. With one data-parallel rank it is that rank's batch (both identities)."""
+
+    order: Tensor  # [B_whole] long
+    positions: Tensor  # [B] long
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """This rank's samples among rows of the whole batch (sorted, as indices into this rank's batch)."""
+        return torch.nonzero(torch.isin(self.positions, rows)).flatten()
+
+
+@dataclass(frozen=True)
+class CriticView:
+    """What the critic trains on, over the whole batch ([B_whole] or [B_whole, T_whole], rows as WholeBatch's)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    keep: Tensor  # [B_whole] bool
+    trained: Tensor  # [B_whole] bool: kept, with a response token in the mask
+    values: Tensor  # V_old(s_t)
+    returns: Tensor  # R_t
+
+
+@dataclass(frozen=True)
 class Rollout:
-    """What the step's batch is trained against, each [B, T] over the whole batch (B samples, prompt-major)."""
+    """What this rank's share of the step's batch is trained against, each [B, T] (B samples, prompt-major)."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -61,6 +113,9 @@ class Rollout:
     advantages: Tensor  # A_t (GAE)
     returns: Tensor  # R_t = A_t + V_old(s_t)
     whitened: Tensor  # Â_t
+    importance_weights: Tensor | None  # min(pi_old / mu, cap) (max_policy_lag > 0)
+    whole: WholeBatch
+    critic: CriticView
 
 
 class PPO(Algorithm):
@@ -99,14 +154,19 @@ class PPO(Algorithm):
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
         alg = self.spec.algorithm
         start = time.perf_counter()
-        rollout, timers, mismatch, refused = self.rollout(batch, backend, version)
-        minibatches = self.minibatches(len(rollout.response_ids), version)
+        rollout, timers, stats = self.rollout(batch, backend, version)
+        minibatches = self.minibatches(len(rollout.whole.order), version)
         # a minibatch without a single kept response token gives the critic nothing to learn
-        critic_batches = [self.critic_minibatch(rollout, rows) for rows in minibatches if rollout.mask[rows].any()]
-        critic_update = self.pool.submit(self.train_critic, critic_batches)  # (nan, nan) on a tensor peer
-        actor = [self.actor_step(backend, rollout, rows) for rows in minibatches]
+        view = rollout.critic
+        critic_batches = []
+        if self.critic is not None:
+            critic_batches = [self.critic_minibatch(view, rows) for rows in minibatches if view.trained[rows].any()]
+        critic_update = self.pool.submit(self.train_critic, critic_batches)  # (nan, nan) off the main process
+        actor = [self.actor_step(backend, rollout, rollout.whole.rows(rows)) for rows in minibatches]
         wait_start = time.perf_counter()
-        critic_loss, critic_grad_norm = critic_update.result()
+        # every rank reports the main process's critic metrics (the others would average a nan in)
+        critic_metrics = self.ranks.broadcast_from_main(torch.tensor(critic_update.result(), dtype=torch.float64))
+        critic_loss, critic_grad_norm = critic_metrics.tolist()
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
 
         mask = rollout.mask.bool()
@@ -119,8 +179,7 @@ class PPO(Algorithm):
             "train_rollouts/advantages": rollout.advantages[mask].mean().item(),
             "train_rollouts/returns": rollout.returns[mask].mean().item(),
             "train_rollouts/values": rollout.values[mask].mean().item(),
-            "train_rollouts/logprob_mismatch": mismatch,
-            "train_rollouts/refused_mismatched_groups": float(refused),
+            **stats,
             **_mean_of(actor),
             "train_optim/critic_loss": critic_loss,
             "train_optim/critic_grad_norm": critic_grad_norm,
@@ -140,12 +199,16 @@ class PPO(Algorithm):
     @torch.no_grad()
     def rollout(
         self, batch: StepBatch, backend: TrainerBackend, version: int
-    ) -> tuple[Rollout, dict[str, float], float, int]:
-        """Steps 1 and 2: log-probs and values of the whole batch, then rewards, GAE, returns and whitening; also
-        the mean train/inference log-prob gap and how many groups were refused for it (as REINFORCE refuses)."""
+    ) -> tuple[Rollout, dict[str, float], dict[str, float]]:
+        """Steps 1 and 2: log-probs and values of the batch, then rewards, GAE, returns and whitening; also the
+        timers and the statistics of the behaviour log-probs: the mean train/inference gap, how many groups were
+        refused for it (as REINFORCE refuses), and the importance weights."""
         alg, temperature = self.spec.algorithm, self.spec.generation.temperature
         prompt_ids, response_ids = token_lists(batch.groups)
-        values_request = None if self.critic is None else self.pool.submit(self.critic.values, prompt_ids, response_ids)
+        whole = self.whole_batch(batch, prompt_ids, response_ids)
+        values_request = None
+        if self.critic is not None:
+            values_request = self.pool.submit(self.critic.values, whole.prompt_ids, whole.response_ids)
         old, ref, masks = [], [], []
         timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
         k = alg.num_rollouts_per_prompt
@@ -160,21 +223,25 @@ class PPO(Algorithm):
             old.append(logprobs)
             masks.append(mask)
         old_logprobs, ref_logprobs, masks = in_order(old, parts), in_order(ref, parts), in_order(masks, parts)
-        # on-policy: the generator sampled with these very weights, so its log-probs should be the trainer's
+        # a group sampled with these very weights: the generator's log-probs should be the trainer's
         behaviour = generator_logprobs(batch.groups, like=old_logprobs)
-        mismatch = TokenStats()
-        mismatch.add((behaviour - old_logprobs).abs(), masks)
         same_version = torch.tensor([g.policy_version == version for g in batch.groups for _ in g.samples])
+        mismatch = TokenStats()
+        mismatch.add((behaviour - old_logprobs).abs(), masks * same_version.unsqueeze(-1))
         limit = self.spec.training.max_logprob_mismatch
         refused_samples = mismatched_groups(behaviour, old_logprobs, masks, same_version, k, limit).repeat_interleave(k)
         keep = batch.keep.reshape(-1) & ~refused_samples
         mask = masks * keep.unsqueeze(-1)
+        importance_weights, weights = None, TokenStats()
+        if alg.max_policy_lag > 0:
+            importance_weights = truncated_importance_weights(old_logprobs, behaviour, alg.importance_weight_cap)
+            weights.add(importance_weights, mask)
         wait_start = time.perf_counter()
-        if values_request is None:  # a tensor peer: the main process's values arrive
-            values = torch.empty_like(old_logprobs)
-        else:
-            values = _padded(values_request.result(), like=old_logprobs)
-        values = self.ranks.share_tensor_with_model_peers(values)
+        whole_values = torch.zeros(len(whole.response_ids), max(len(r) for r in whole.response_ids))
+        if values_request is not None:
+            whole_values = _padded(values_request.result(), like=whole_values)
+        whole_values = self.ranks.broadcast_from_main(whole_values)  # to every process but the main one
+        values = _columns(whole_values[whole.positions], like=old_logprobs)
         timers["timers/critic_wait"] += time.perf_counter() - wait_start
 
         kl = kl_per_token(old_logprobs, ref_logprobs, alg.kl_estimator, alg.use_absolute_kl, alg.kl_clamp)
@@ -184,12 +251,41 @@ class PPO(Algorithm):
         whitened = masked_whiten(advantages, mask, all_reduce=self.ranks.sum_tensor)
         actor_samples = keep & batch.is_end.reshape(-1) if alg.ppo_loss_mask == "ended" else keep
         actor_mask = mask * actor_samples.unsqueeze(-1)
+        critic = self.critic_view(whole, whole_values, keep, mask, returns)
         rollout = Rollout(
             prompt_ids, response_ids, keep, old_logprobs, mask, actor_samples, actor_mask, kl, values, advantages,
-            returns, whitened,
+            returns, whitened, importance_weights, whole, critic,
         )  # fmt: skip
-        num_refused = int(refused_samples.sum()) // alg.num_rollouts_per_prompt
-        return rollout, {**timers, **packing_metrics(parts)}, mismatch.mean(), num_refused
+        stats = {
+            "train_rollouts/logprob_mismatch": mismatch.mean(),
+            "train_rollouts/refused_mismatched_groups": float(int(refused_samples.sum()) // k),
+            "train_rollouts/importance_weight_mean": weights.mean(),
+            "train_rollouts/importance_weight_max": weights.max,
+            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
+        }
+        return rollout, {**timers, **packing_metrics(parts)}, stats
+
+    def whole_batch(self, batch: StepBatch, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> WholeBatch:
+        """Every data-parallel rank's token ids in prompt order (a collective of every rank)."""
+        if self.ranks.world == 1:
+            identity = torch.arange(len(prompt_ids))
+            return WholeBatch(identity, identity, prompt_ids, response_ids)
+        k = self.spec.algorithm.num_rollouts_per_prompt
+        indices = torch.tensor(self.ranks.gather_ints([prompt_index(g) for g in batch.groups], len(batch.groups)))
+        order = (torch.argsort(indices, stable=True).unsqueeze(-1) * k + torch.arange(k)).reshape(-1)
+        mine = self.ranks.rank * len(prompt_ids)
+        positions = torch.argsort(order)[mine : mine + len(prompt_ids)]
+        prompts, responses = self.ranks.gather_lists(prompt_ids), self.ranks.gather_lists(response_ids)
+        return WholeBatch(order, positions, [prompts[i] for i in order], [responses[i] for i in order])
+
+    def critic_view(self, whole: WholeBatch, values: Tensor, keep: Tensor, mask: Tensor, returns: Tensor) -> CriticView:
+        """The critic's rows of the whole batch: every rank's keep flags and returns gathered (a collective)."""
+        flags = torch.stack([keep, mask.bool().any(-1)], -1).to(torch.int64)
+        flags = self.ranks.gather_rows(flags)[whole.order].bool()
+        wide = _columns(returns, like=torch.zeros(returns.shape[0], values.shape[1], dtype=returns.dtype))
+        whole_returns = self.ranks.gather_rows(wide)[whole.order]
+        trained = flags[:, 0] & flags[:, 1]
+        return CriticView(whole.prompt_ids, whole.response_ids, flags[:, 0], trained, values, whole_returns)
 
     def minibatches(self, num_samples: int, version: int) -> list[Tensor]:
         """Sample indices of every minibatch of every epoch, in order: a permutation per epoch, seeded by the run's
@@ -207,8 +303,10 @@ class PPO(Algorithm):
         """One AdamW step of the policy on a minibatch's L_actor, micro-batched; the minibatch's metrics."""
         alg, t, temperature = self.spec.algorithm, self.spec.training, self.spec.generation.temperature
         backend.zero_grad()
-        num_tokens = int(rollout.actor_mask[rows].sum())
-        normalizer = step_normalizer(self.spec, num_tokens, int(rollout.actor_samples[rows].sum()))
+        # the minibatch's counts over every rank (this rank holds `rows` of it, maybe none)
+        counts = torch.tensor([int(rollout.actor_mask[rows].sum()), int(rollout.actor_samples[rows].sum())])
+        num_tokens, num_samples = self.ranks.sum_tensor(counts).tolist()
+        normalizer = step_normalizer(self.spec, num_tokens, num_samples)
         sums = dict.fromkeys(("loss", "ppo_ratio", "ppo_ratio_clamped", "ppo_clip_fraction", "entropy"), 0.0)
         prompts = [rollout.prompt_ids[i] for i in rows]
         responses = [rollout.response_ids[i] for i in rows]
@@ -218,9 +316,10 @@ class PPO(Algorithm):
                 piece.prompt_ids, piece.response_ids, temperature
             )
             columns = slice(0, mask.shape[1])
+            weights = None if rollout.importance_weights is None else rollout.importance_weights[part, columns]
             out = ppo_policy_loss(
                 logprobs, rollout.old_logprobs[part, columns], rollout.whitened[part, columns],
-                rollout.actor_mask[part, columns], alg.clip_range(), normalizer, entropy, alg.entropy_bonus,
+                rollout.actor_mask[part, columns], alg.clip_range(), normalizer, entropy, alg.entropy_bonus, weights,
             )  # fmt: skip
             out.loss.backward()
             share = float(rollout.actor_mask[part].sum()) / max(num_tokens, 1)  # this part's share of the token means
@@ -230,26 +329,29 @@ class PPO(Algorithm):
             sums["ppo_clip_fraction"] += out.clip_fraction.item() * share
             sums["entropy"] += (out.entropy.item() if out.entropy is not None else 0.0) * share
         grad_norm, lr = backend.optimizer_step()
+        # each rank holds its share of the minibatch's sums: their sum is the minibatch's
+        summed = self.ranks.sum_tensor(torch.tensor(list(sums.values()), dtype=torch.float64))
+        totals = dict(zip(sums, summed.tolist(), strict=True))
         return {
-            "train_optim/actor_loss": sums["loss"],
-            "train_optim/ppo_ratio": sums["ppo_ratio"],
-            "train_optim/ppo_ratio_clamped": sums["ppo_ratio_clamped"],
-            "train_optim/ppo_clip_fraction": sums["ppo_clip_fraction"],
-            "train_optim/entropy": sums["entropy"],
+            "train_optim/actor_loss": totals["loss"],
+            "train_optim/ppo_ratio": totals["ppo_ratio"],
+            "train_optim/ppo_ratio_clamped": totals["ppo_ratio_clamped"],
+            "train_optim/ppo_clip_fraction": totals["ppo_clip_fraction"],
+            "train_optim/entropy": totals["entropy"],
             "train_optim/grad_norm": grad_norm,
             "train_optim/lr": lr,
         }
 
     @staticmethod
-    def critic_minibatch(rollout: Rollout, rows: Tensor) -> Minibatch:
+    def critic_minibatch(view: CriticView, rows: Tensor) -> Minibatch:
         """The critic's view of a minibatch: token ids, R_t and V_old(s_t) of its kept samples."""
-        kept = [int(i) for i in rows if rollout.keep[i]]
-        lengths = [len(rollout.response_ids[i]) for i in kept]
+        kept = [int(i) for i in rows if view.keep[i]]
+        lengths = [len(view.response_ids[i]) for i in kept]
         return Minibatch(
-            prompt_token_ids=[rollout.prompt_ids[i] for i in kept],
-            response_token_ids=[rollout.response_ids[i] for i in kept],
-            returns=[rollout.returns[i, :n].tolist() for i, n in zip(kept, lengths, strict=True)],
-            old_values=[rollout.values[i, :n].tolist() for i, n in zip(kept, lengths, strict=True)],
+            prompt_token_ids=[view.prompt_ids[i] for i in kept],
+            response_token_ids=[view.response_ids[i] for i in kept],
+            returns=[view.returns[i, :n].tolist() for i, n in zip(kept, lengths, strict=True)],
+            old_values=[view.values[i, :n].tolist() for i, n in zip(kept, lengths, strict=True)],
         )
 
 
@@ -258,6 +360,14 @@ def _padded(rows: list[list[float]], like: Tensor) -> Tensor:
     out = torch.zeros_like(like)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row, dtype=like.dtype)
+    return out
+
+
+def _columns(rows: Tensor, like: Tensor) -> Tensor:
+    """`rows` [B, T'] cut or right-padded with 0 to `like`'s [B, T]."""
+    out = torch.zeros_like(like)
+    width = min(rows.shape[1], like.shape[1])
+    out[:, :width] = rows[:, :width]
     return out
 
 
