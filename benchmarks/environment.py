@@ -127,9 +127,11 @@ def render(results: dict) -> str:
 
 
 def write_section(section: str) -> None:
-    """Replace this script's section of BENCHMARKS.md (up to the next `## ` heading), or append it."""
+    """Replace the section of BENCHMARKS.md under `section`'s heading, its first line (up to the next `## `
+    heading), or append it. Other benchmark scripts write theirs with it too."""
     text = MARKDOWN.read_text() if MARKDOWN.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    heading = section.splitlines()[0]
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text).rstrip("\n") + "\n"
     else:

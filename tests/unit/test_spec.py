@@ -13,7 +13,17 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
 
 
-@pytest.mark.parametrize("name", ["quickstart.yaml", "tiny.yaml", "quickstart-ppo.yaml", "tiny-ppo.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quickstart.yaml",
+        "tiny.yaml",
+        "quickstart-ppo.yaml",
+        "tiny-ppo.yaml",
+        "tiny-tools.yaml",
+        "arithmetic.yaml",
+    ],
+)
 def test_examples_load_and_round_trip(name):
     spec = load_spec(EXAMPLES / name)
     assert parse_spec(yaml.safe_load(dump_spec(spec))) == spec
@@ -219,3 +229,11 @@ def test_clip_ranges_resolve_per_policy_loss():
     gspo = parse_spec({**MINIMAL, "algorithm": {"policy_loss": "gspo"}})
     assert gspo.algorithm.clip_range() == (3e-4, 4e-4)
     assert parse_spec({**MINIMAL, "algorithm": {"kl_clamp": None}}).algorithm.kl_clamp is None
+
+
+def test_the_generators_episodes_must_fit_the_environments_limit():
+    """Each sample of a batch is an open episode; more than environment.max_episodes would be refused forever."""
+    episodes = {"environment": {"enabled": True, "max_episodes": 64}, "generation": {"num_generators": 3}}
+    with pytest.raises(SpecError, match=r"max_episodes \(64\) is below .* = 96"):
+        parse_spec({**MINIMAL, **episodes})
+    assert parse_spec({**MINIMAL, **episodes, "generation": {"num_generators": 2}}).environment.max_episodes == 64

@@ -769,6 +769,21 @@ class RunSpec(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _episodes_fit_the_environment(self) -> RunSpec:
+        # Every sample of a generator's batch is an open episode: more than max_episodes would be refused (429)
+        # batch after batch.
+        if self.environment.enabled:
+            episodes = self.generation.num_generators * self.generation.batch_prompts
+            episodes *= self.algorithm.num_rollouts_per_prompt
+            if episodes > self.environment.max_episodes:
+                raise ValueError(
+                    f"environment.max_episodes ({self.environment.max_episodes}) is below the episodes the generators "
+                    f"open at once: generation.num_generators x generation.batch_prompts x "
+                    f"algorithm.num_rollouts_per_prompt = {episodes}"
+                )
+        return self
+
     def corrects_engine_mismatch(self) -> bool:
         """algorithm.correct_engine_mismatch, its null resolved: on for engines other than the torch reference."""
         configured = self.algorithm.correct_engine_mismatch
