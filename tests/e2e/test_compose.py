@@ -26,7 +26,7 @@ from conftest import free_port
 
 from reinforce.core import launch
 from reinforce.core.metrics import read_metrics
-from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, WEIGHTS_TOKEN_ENV
+from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, WEIGHTS_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,8 @@ EXAMPLES = ROOT / "examples"
 SPEC_IN_CONTAINER = "/etc/reinforce/spec.yaml"
 IMAGE_EXAMPLES = "/opt/reinforce/examples"  # where services/reinforce/core/Dockerfile puts examples/
 DOCKER_COMPOSE = shutil.which("docker-compose")
+# compose service -> its component (core/launch.py) and image folder (services/reinforce/COMPONENT/Dockerfile)
+COMPONENTS = {"reward": "reward", "generator-0": "generator", "trainer": "trainer", "critic": "critic"}
 needs_compose = pytest.mark.skipif(
     DOCKER_COMPOSE is None, reason="Debian's docker-compose is not installed (`make install` installs it)"
 )
@@ -55,10 +57,12 @@ def test_compose_file_is_valid():
     assert result.returncode == 0, result.stderr
 
 
-def test_compose_spec_is_the_tiny_example():
-    """examples/compose.yaml is tiny.yaml with container paths and weights over HTTP, nothing else."""
-    compose = yaml.safe_load((EXAMPLES / "compose.yaml").read_text())
-    tiny = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+@pytest.mark.parametrize(("compose_spec", "example"), [("compose", "tiny"), ("compose-ppo", "tiny-ppo")])
+def test_compose_spec_is_the_tiny_example(compose_spec, example):
+    """examples/compose.yaml is tiny.yaml (compose-ppo.yaml tiny-ppo.yaml) with container paths and weights over HTTP,
+    nothing else."""
+    compose = yaml.safe_load((EXAMPLES / f"{compose_spec}.yaml").read_text())
+    tiny = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())
     assert compose.pop("run_dir") == "/data/run"
     assert compose.pop("weights") == {"transport": "http"}
     assert compose["data"].pop("prompts") == f"{IMAGE_EXAMPLES}/{tiny['data'].pop('prompts')}"
@@ -75,7 +79,7 @@ def test_compose_commands_and_probes_are_the_services_launch():
     """Each service's command in docker-compose.yml is the one core/launch.py builds from its flags, and its
     health check probes the launch's readiness path."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    for name, component in [("reward", "reward"), ("generator-0", "generator"), ("trainer", "trainer")]:
+    for name, component in COMPONENTS.items():
         command, service = services[name]["command"], launch.SERVICES[component]
         flags = {f.removeprefix("--").replace("-", "_"): v for f, v in zip(command[5::2], command[6::2], strict=True)}
         assert command == service.command("python", SPEC_IN_CONTAINER, **flags), name
@@ -87,12 +91,15 @@ def test_each_compose_service_holds_only_its_launch_credentials():
     """Issue #30, R3-7: each container gets the secrets its service uses (core/launch.py), no other."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     held = {name: set(service.get("environment", {})) for name, service in services.items()}
-    assert held["generator-0"] == set(launch.GENERATOR.credentials)
-    assert held["trainer"] == set(launch.TRAINER.credentials) - {CRITIC_TOKEN_ENV}  # REINFORCE: no critic
+    # no environment service in the file (the operator too gives its token only to runs that have one)
+    assert held["generator-0"] == set(launch.GENERATOR.credentials) - {ENVIRONMENT_TOKEN_ENV}
+    assert held["trainer"] == set(launch.TRAINER.credentials)
+    assert held["critic"] == set(launch.CRITIC.credentials)
     assert held["rollout"] == set(launch.ROLLOUT_CREDENTIALS)
     assert held["reward"] == set()
     tokens = {services["generator-0"]["environment"][name] for name in (CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV)}
-    assert len(tokens) == 2, "the default control and weights tokens must differ"
+    tokens.add(services["critic"]["environment"][CRITIC_TOKEN_ENV])
+    assert len(tokens) == 3, "the default control, weights and critic tokens must differ"
 
 
 @needs_compose
@@ -104,7 +111,7 @@ def test_compose_redis_takes_its_password_from_a_file_as_the_operators_pods_do()
 
 def test_images_default_to_the_compose_commands():
     services = compose_config()["services"]
-    for service, name in [("reward", "reward"), ("generator", "generator-0"), ("trainer", "trainer")]:
+    for name, service in COMPONENTS.items():
         assert dockerfile_cmd(service) == services[name]["command"], service
 
 
@@ -167,16 +174,20 @@ def health_argv(service: dict) -> list[str] | None:
 
 @needs_compose
 @pytest.mark.slow
-def test_compose_commands_train_the_tiny_example(tmp_path):
+@pytest.mark.parametrize(("compose_spec", "profile"), [("compose", None), ("compose-ppo", "ppo")])
+def test_compose_commands_train_the_tiny_example(tmp_path, compose_spec, profile):
+    """The services of the file's default profile, and with profile ppo the critic too (examples/compose-ppo.yaml)."""
     if shutil.which("redis-server") is None or shutil.which("curl") is None:
         pytest.skip("needs redis-server and curl (make install installs them)")
-    spec = yaml.safe_load((EXAMPLES / "compose.yaml").read_text())
+    spec = yaml.safe_load((EXAMPLES / f"{compose_spec}.yaml").read_text())
     spec["run_dir"] = str(tmp_path / "run")
     spec["data"]["prompts"] = spec["data"]["prompts"].replace(IMAGE_EXAMPLES, str(EXAMPLES))
     spec["training"].update(steps=3, checkpoint_every=3)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
-    services = compose_config(REINFORCE_SPEC=str(spec_file))["services"]
+    services = compose_config(REINFORCE_SPEC=str(spec_file), REINFORCE_RUN=spec["name"])["services"]
+    # `docker-compose config` lists every profile's services; `up` starts those of no profile or of the chosen one
+    services = {name: s for name, s in services.items() if profile in s.get("profiles", [profile])}
     ports: dict[str, int] = defaultdict(free_port)
     env_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python`, `reinforce`: this venv's
     logs = tmp_path / "logs"
@@ -215,6 +226,7 @@ def test_compose_commands_train_the_tiny_example(tmp_path):
     paths = RunPaths(tmp_path / "run")
     assert [row["step"] for row in read_metrics(paths.metrics)] == [1, 2, 3]
     assert (paths.checkpoints / "step-000003").is_dir()
+    assert (paths.critic_checkpoints / "step-000003").is_dir() == (profile == "ppo")
     assert (paths.final_model / "config.json").exists()
 
 
