@@ -49,6 +49,7 @@ def _spec(run_dir: Path, **environment: object) -> dict:
         "run_dir": str(run_dir),
         "policy": {"random_init": {}},
         "data": {"prompts": "p.txt"},
+        "generation": {"batch_prompts": 2},  # 2 prompts x 4 samples: the generators' episodes fit max_episodes
         "environment": env,
     }
 

@@ -17,6 +17,7 @@ from reinforce.trainer.algorithms.reinforce import Reinforce
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.validation import Validator
 from tests.unit.test_algorithm_steps import MemoryCritic
 
 K, PROMPTS = 2, 2
@@ -115,3 +116,23 @@ def test_the_score_lands_on_the_last_model_token_past_a_tools_output() -> None:
     rewards = token_rewards(torch.tensor([1.0, 2.0]), torch.zeros(2, len(MASK)), mask.float(), kl_penalty=0.1)
     assert rewards[0].tolist() == [0.0] * 8 + [1.0]
     assert rewards[1].tolist() == [0.0, 2.0] + [0.0] * 7
+
+
+def test_validation_kl_leaves_the_tools_tokens_out(policy_dir: Path) -> None:
+    """The evaluation's val/init_policy_kl: two trajectories that differ only in a trailing (cut) tool observation
+    have the same KL; the same tokens as the model's would change it."""
+    spec = spec_with({})
+    backend = TorchBackend(spec.training, policy_dir, Ranks())
+    Reinforce(spec, Ranks()).update(multi_turn_batch(), backend, version=0)  # the policy moves off the reference
+    validator = object.__new__(Validator)  # score() needs only the spec and the backend
+    validator.spec, validator.backend = spec, backend
+
+    def kl(tail: list[int], trained: bool) -> float:
+        sample = Sample(token_ids=[5, 6, 7, *tail], logprobs=[0.0] * (3 + len(tail)), reward=1.0, is_end=False)
+        sample.loss_mask[:] = [True] * 3 + [trained] * len(tail)
+        return validator.score([RolloutGroup(prompt_id="0-0", prompt_token_ids=[1, 8], samples=[sample])])[
+            "val/init_policy_kl"
+        ]
+
+    assert kl([9, 10], trained=False) == kl([11, 12, 13], trained=False)
+    assert kl([9, 10], trained=True) != kl([11, 12, 13], trained=True)

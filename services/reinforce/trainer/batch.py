@@ -51,11 +51,12 @@ def token_lists(groups: list[RolloutGroup]) -> tuple[list[list[int]], list[list[
     algorithm, the KL and the metrics see them as padding.
     """
     prompts = [list(g.prompt_token_ids) for g in groups for _ in g.samples]
-    responses = [_response_ids(s) for g in groups for s in g.samples]
+    responses = [response_row(s) for g in groups for s in g.samples]
     return prompts, responses
 
 
-def _response_ids(sample: Sample) -> list[int]:
+def response_row(sample: Sample) -> list[int]:
+    """A sample's response ids as log-prob passes take them (a ResponseIds with its loss mask, if it has one)."""
     if not sample.loss_mask:  # single-turn: every token is the model's
         return list(sample.token_ids)
     return ResponseIds(list(sample.token_ids), list(sample.loss_mask))

@@ -31,6 +31,7 @@ from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.reinforce import sequence_kl
 from reinforce.trainer.backends.base import TrainerBackend
+from reinforce.trainer.batch import response_row
 from reinforce.trainer.collect import share_groups
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.feed import prompt_seed
@@ -166,7 +167,7 @@ class Validator:
         kl = 0.0
         if with_tokens:
             prompts = [list(g.prompt_token_ids) for g, _ in with_tokens]
-            responses = [list(s.token_ids) for _, s in with_tokens]
+            responses = [response_row(s) for _, s in with_tokens]  # the tools' tokens have no KL
             temperature = self.spec.generation.temperature
             logprobs, mask = self.backend.policy_logprobs(prompts, responses, temperature)
             ref = self.backend.reference_logprobs(prompts, responses, temperature)
