@@ -4,6 +4,7 @@ calculator, reads its answer and answers): what the sample records, token by tok
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +173,25 @@ def test_tiny_tools_example_learns_to_call_the_calculator(tmp_path: Path) -> Non
             assert not sample["is_end"] and sample["response_tokens"] == 48 and text.endswith(answer[:cut])
         assert sample["turns"] in (1, 2)
     assert all(s["tool_tokens"] == 0 for s in samples if s["tool_calls"] == 0)
+
+
+def test_a_batch_the_service_refuses_in_part_leaves_no_episode_open(policy: Path, server: Server) -> None:
+    """The service has room for 2 more episodes (max_episodes 8) and a batch asks for 4: two resets are refused
+    (429), the batch fails whole, and the two episodes that did start are deleted, not left to expire."""
+
+    async def fill(n: int) -> list[str]:
+        async with server.client() as env:
+            return [(await env.reset("x")).episode_id for _ in range(n)]
+
+    async def empty(ids: list[str]) -> None:
+        async with server.client() as env:
+            for episode_id in ids:
+                await env.delete(episode_id)
+
+    held = asyncio.run(fill(6))
+    try:
+        with pytest.raises(EnvironmentServiceError, match="429"):
+            run_episodes(policy, server.url, max_new_tokens=160, k=4)
+        assert server.metric("reinforce_environment_open_episodes") == 6
+    finally:
+        asyncio.run(empty(held))

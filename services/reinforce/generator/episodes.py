@@ -128,11 +128,14 @@ class EpisodeRunner:
         texts = [text for _, text, _ in prompts for _ in range(k)]
         async with EnvironmentClient(self.url, self.token) as env:
             try:
-                for e, reset in zip(flat, await asyncio.gather(*(env.reset(t) for t in texts)), strict=True):
-                    e.episode_id = reset.episode_id
+                resets = await asyncio.gather(*(env.reset(t) for t in texts), return_exceptions=True)
+                for e, reset in zip(flat, resets, strict=True):
+                    e.episode_id = "" if isinstance(reset, BaseException) else reset.episode_id
+                _raise_first(resets)  # the episodes that did start are deleted below
                 while open_ := [e for e in flat if not e.done]:
                     turns = self._sample_turns(open_, temperature)
-                    await asyncio.gather(*(self._step(env, e, turn) for e, turn in zip(open_, turns, strict=True)))
+                    steps = (self._step(env, e, turn) for e, turn in zip(open_, turns, strict=True))
+                    _raise_first(await asyncio.gather(*steps, return_exceptions=True))
             finally:
                 # The service would expire them; deleting frees their slots now. Best effort: it may be gone.
                 await asyncio.gather(*(env.delete(e.episode_id) for e in flat if e.episode_id), return_exceptions=True)
@@ -161,3 +164,9 @@ class EpisodeRunner:
             return
         ids = self.observations.tokens(result.observation.text, turn.token_ids)
         episode.add_observation(ids, self.engine.generation.max_new_tokens)
+
+
+def _raise_first(results: list) -> None:
+    """Every request of a round has finished (none is left running past the client); the first failure is raised."""
+    if failed := next((r for r in results if isinstance(r, BaseException)), None):
+        raise failed
