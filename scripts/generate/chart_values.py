@@ -14,7 +14,7 @@ import copy
 import json
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -74,6 +74,35 @@ class Dashboards(_Values):
     labelValue: str = Field("1", description="Its value.")
 
 
+class ScaledRun(_Values):
+    """A ReinforceRun whose generators KEDA scales (the run's scale subresource: generation.numGenerators)."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="The ReinforceRun's name.")
+    namespace: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Its namespace.")
+    minReplicas: int = Field(1, ge=1, description="Fewest generators.")
+    maxReplicas: int = Field(8, ge=1, description="Most generators.")
+    metric: Literal["lag", "pending"] = Field(
+        "lag",
+        description="What the redis-streams trigger counts on the run's prompts stream: lag (prompts no generator "
+        "has read yet: the backlog; Redis 7, as the run's own Redis is) or pending (prompts generators read and "
+        "have not acknowledged: the work in hand, which grows with the backlog only while generators hold prompts "
+        "for later steps, max_policy_lag > 0).",
+    )
+    target: int = Field(16, ge=1, description="Prompts of that metric per generator: KEDA sizes the run to it.")
+    pollingInterval: int = Field(15, ge=1, description="Seconds between KEDA's reads of the stream.")
+    cooldownPeriod: int = Field(300, ge=1, description="Seconds after the last activity before scaling to minReplicas.")
+
+
+class Autoscaling(_Values):
+    """KEDA ScaledObjects (keda.sh/v1alpha1) over runs' generators, rendered where KEDA's API exists."""
+
+    runs: list[ScaledRun] = Field(
+        default_factory=list,
+        description="Runs to scale, each with a ScaledObject and a TriggerAuthentication (the run's Redis password "
+        "from its Secret); runs on the operator's own Redis, not an external one.",
+    )
+
+
 class ChartValues(_Values):
     """charts/reinforce/values.yaml"""
 
@@ -119,6 +148,7 @@ class ChartValues(_Values):
     )
     metrics: Metrics = Field(default_factory=Metrics)
     dashboards: Dashboards = Field(default_factory=Dashboards)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
 
 
 def values_schema() -> dict[str, Any]:

@@ -244,6 +244,11 @@ def status_schema() -> dict[str, Any]:
         "step": {"type": "integer", "description": "Optimisation steps done."},
         "publishedWeightVersion": {"type": "integer", "description": "Latest weight version the trainer published."},
         "generatorsReady": {"type": "string", "description": "Ready generators / desired generators, e.g. 2/3."},
+        "generatorReplicas": {"type": "integer", "description": "Generator pods that exist (the scale subresource's)."},
+        "generatorSelector": {
+            "type": "string",
+            "description": "Label selector of the run's generator pods (the scale subresource's, for HPA and KEDA).",
+        },
         "generators": _map_list(generator, "name"),
         "reward": {"type": "number", "description": "Mean reward of the latest step."},
         "kl": {"type": "number", "description": "Mean KL to the reference policy at the latest step."},
@@ -286,6 +291,13 @@ def _printer_columns() -> list[dict[str, Any]]:
     ]
 
 
+SCALE = {
+    "specReplicasPath": ".spec.generation.numGenerators",
+    "statusReplicasPath": ".status.generatorReplicas",
+    "labelSelectorPath": ".status.generatorSelector",
+}
+
+
 def reinforce_run_crd() -> dict[str, Any]:
     """The CustomResourceDefinition (apiextensions.k8s.io/v1; the API server must be 1.16 or newer)."""
     root = _object(
@@ -303,7 +315,8 @@ def reinforce_run_crd() -> dict[str, Any]:
         "name": VERSION,
         "served": True,
         "storage": True,
-        "subresources": {"status": {}},
+        # scale: `kubectl scale rr/NAME --replicas N`, an HPA or KEDA set generation.numGenerators
+        "subresources": {"status": {}, "scale": SCALE},
         "additionalPrinterColumns": _printer_columns(),
         "schema": {"openAPIV3Schema": root},
     }

@@ -17,10 +17,11 @@ from k8s import API, HELM, KUBECTL, KubeCluster, example_run, install_crd, kube_
 from kubernetes import client
 
 from generate import crd
-from generate.chart_values import CHART, ChartValues
+from generate.chart_values import CHART, ChartValues, ScaledRun
 from generate.dashboards import ALERTS
 from generate.operator_manifest import OPERATOR_RULES
 from reinforce.core.names import PROMETHEUS_COMPONENT_LABEL, PROMETHEUS_INSTANCE_LABEL, PROMETHEUS_RUN_LABEL
+from reinforce.core.queue import GENERATORS_GROUP
 from reinforce.operator.rbac import CLUSTER_RULES, NAMESPACED_RULES
 
 # The newest schemas kubernetes-validate ships that are closest to the test server's 1.20; every kind the
@@ -113,6 +114,40 @@ def test_monitoring_objects_only_where_their_apis_exist() -> None:
             PROMETHEUS_COMPONENT_LABEL,
             PROMETHEUS_INSTANCE_LABEL,
         }
+
+
+def test_keda_scaled_objects_render_as_kedas_models_read_them() -> None:
+    """autoscaling.runs: a ScaledObject on each run's scale subresource and prompts stream, and the
+    TriggerAuthentication that gives it the run's Redis password; checked against KEDA's CRD models."""
+    from cloudcoil.models.keda.v1alpha1 import ScaledObject, TriggerAuthentication
+
+    runs = json.dumps([{"name": "tiny", "namespace": "ml", "maxReplicas": 6}, {"name": "big", "namespace": "ml",
+                       "metric": "pending", "target": 8}])  # fmt: skip
+    assert not {o["kind"] for o in render("--set-json", f"autoscaling.runs={runs}")} & {"ScaledObject"}
+    objects = render("--api-versions", "keda.sh/v1alpha1/ScaledObject", "--set-json", f"autoscaling.runs={runs}")
+    models = {"ScaledObject": ScaledObject, "TriggerAuthentication": TriggerAuthentication}
+    keda = [o for o in objects if o["kind"] in models]
+    for obj in keda:  # every key is one KEDA knows: its model's round trip keeps them all, with their types
+        model = models[obj["kind"]].model_validate(obj)
+        assert model.model_dump(by_alias=True, exclude_none=True, mode="json") == obj
+    scaled = {o["metadata"]["name"]: o["spec"] for o in keda if o["kind"] == "ScaledObject"}
+    tiny = scaled["tiny-generators"]
+    assert tiny["scaleTargetRef"] == {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "name": "tiny"}
+    defaults = ScaledRun(name="tiny", namespace="ml")  # what a run that sets nothing else gets
+    assert (tiny["minReplicaCount"], tiny["maxReplicaCount"]) == (defaults.minReplicas, 6)
+    assert (tiny["pollingInterval"], tiny["cooldownPeriod"]) == (defaults.pollingInterval, defaults.cooldownPeriod)
+    assert defaults.metric == "lag" and defaults.target == 16
+    assert tiny["triggers"] == [{
+        "type": "redis-streams",
+        "metadata": {"address": "tiny-redis.ml.svc:6379", "stream": "reinforce:tiny:prompts",
+                     "consumerGroup": GENERATORS_GROUP, "lagCount": "16"},
+        "authenticationRef": {"name": "tiny-redis"},
+    }]  # fmt: skip
+    assert scaled["big-generators"]["triggers"][0]["metadata"]["pendingEntriesCount"] == "8"
+    auth = next(o for o in keda if o["kind"] == "TriggerAuthentication" and o["metadata"]["name"] == "tiny-redis")
+    assert auth["spec"]["secretTargetRef"] == [
+        {"parameter": "password", "name": "tiny-secrets", "key": "redis-password"}
+    ]
 
 
 def test_namespaces_and_operator_config_reach_the_operator() -> None:

@@ -228,6 +228,30 @@ def test_status_subresource(runs: client.CustomObjectsApi, namespace: str) -> No
 
 
 @pytest.mark.slow
+def test_kubectl_scale_sets_the_number_of_generators(
+    kube_apiserver: KubeCluster,  # noqa: F811
+    runs: client.CustomObjectsApi,
+    namespace: str,
+) -> None:
+    """The scale subresource (what `kubectl scale`, an HPA and KEDA use) is generation.numGenerators, with the
+    generator pods' selector and count from the status the operator writes."""
+    runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run())
+    selector = "app.kubernetes.io/instance=tiny,app.kubernetes.io/component=generator"
+    status = {"generatorReplicas": 1, "generatorSelector": selector}
+    runs.patch_namespaced_custom_object_status(*API, namespace, crd.PLURAL, "tiny", {"status": status})
+    scale = runs.get_namespaced_custom_object_scale(*API, namespace, crd.PLURAL, "tiny")
+    assert scale["spec"]["replicas"] == 1  # the server's default of numGenerators
+    assert scale["status"] == {"replicas": 1, "selector": selector}
+    kubectl = [KUBECTL, "--kubeconfig", str(kube_apiserver.admin_kubeconfig), "-n", namespace]
+    done = subprocess.run([*kubectl, "scale", "rr/tiny", "--replicas", "4"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    stored = runs.get_namespaced_custom_object(*API, namespace, crd.PLURAL, "tiny")
+    assert stored["spec"]["generation"]["numGenerators"] == 4 and stored["metadata"]["generation"] == 2
+    refused = subprocess.run([*kubectl, "scale", "rr/tiny", "--replicas", "0"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "spec.generation.numGenerators" in refused.stderr  # suspend scales to zero
+
+
+@pytest.mark.slow
 def test_invalid_status_is_rejected(runs: client.CustomObjectsApi, namespace: str) -> None:
     runs.create_namespaced_custom_object(*API, namespace, crd.PLURAL, example_run())
     with pytest.raises(client.ApiException) as raised:

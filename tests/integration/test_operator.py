@@ -500,7 +500,11 @@ def test_status_moves_from_pending_to_running_and_scaling_and_suspend_follow_the
         assert (status["step"], status["kl"], status["tokensPerSecond"]) == (4, 0.125, 1500.0)
         assert status["observedGeneration"] == cluster.run()["metadata"]["generation"]
 
-        cluster.patch_run("tiny", {"generation": {"numGenerators": 3}})
+        # the scale subresource, as `kubectl scale`, an HPA or KEDA drive it: the status says what it selects
+        assert status["generatorReplicas"] == 1
+        assert status["generatorSelector"] == "app.kubernetes.io/instance=tiny,app.kubernetes.io/component=generator"
+        scale = {"spec": {"replicas": 3}}
+        cluster.custom.patch_namespaced_custom_object_scale(*API, cluster.namespace, crd.PLURAL, "tiny", scale)
         wait_for(lambda: cluster.replicas()["generator"] == 3, 15)
         wait_for(lambda: cluster.status().get("generatorsReady") == "1/3", 15)
 

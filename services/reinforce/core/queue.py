@@ -40,6 +40,10 @@ from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, WeightV
 GENERATORS_GROUP = "generators"
 TRAINER_GROUP = "trainer"
 DATA_FIELD = b"data"
+# A handed-back prompt looks idle this long (a year): longer than any generation.reclaim_idle_s, so any generator's
+# next reclaim takes it. MAX_HANDED_BACK bounds one hand-back (a generator holds a few batches at most).
+HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000
+MAX_HANDED_BACK = 100_000
 
 # A blocking read must return before the client's socket times out, or redis-py would raise (or retry
 # and lose the entries the server already delivered into our pending list until they are reclaimed).
@@ -223,6 +227,21 @@ class RolloutQueue:
             if _text(cursor) == "0-0":
                 break
         return self._decode_entries(self.prompts_key, GENERATORS_GROUP, claimed, Prompt)
+
+    def hand_back_prompts(self, consumer: str) -> int:
+        """Make every prompt delivered to ``consumer`` and not acknowledged claimable by the others at once: a
+        generator told to stop. They stay pending (nothing is copied or lost), idle as a dead generator's would
+        be after HANDED_BACK_IDLE_MS, so the next reclaim_prompts of any generator takes them. Returns how many."""
+        pending = self.client.xpending_range(
+            self.prompts_key, GENERATORS_GROUP, min="-", max="+", count=MAX_HANDED_BACK, consumername=consumer
+        )
+        ids = [entry["message_id"] for entry in pending]
+        if ids:
+            # JUSTID: ownership and idle time only, the delivery count stays (it counts real deliveries)
+            self.client.xclaim(
+                self.prompts_key, GENERATORS_GROUP, consumer, 0, ids, idle=HANDED_BACK_IDLE_MS, justid=True
+            )
+        return len(ids)
 
     # --- rollouts -----------------------------------------------------------------------------------
 

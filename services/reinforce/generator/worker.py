@@ -65,6 +65,8 @@ log = logging.getLogger("reinforce.generator")
 # A WeightVersion's JSON is a few hundred bytes; anything much larger is refused (413) before it is read.
 MAX_CONTROL_BODY_BYTES = 64 * 1024
 ENVIRONMENT_RETRY_S = 1.0  # after the environment service failed a batch, before it is sampled again
+# Reclaim passes come at least this often: prompts a stopping generator handed back are taken within a second.
+RECLAIM_EVERY_S = 1.0
 
 
 class NotPublished(ValueError):
@@ -220,7 +222,7 @@ class Generator:
             self.apply_desired_weights()
             if time.monotonic() >= next_reclaim:
                 self.held += self.reclaim_from_dead_generators()
-                next_reclaim = time.monotonic() + self.spec.generation.reclaim_idle_s / 4
+                next_reclaim = time.monotonic() + min(self.spec.generation.reclaim_idle_s / 4, RECLAIM_EVERY_S)
             # short blocks while prompts wait for weights, so a new version is picked up promptly
             block_ms = 20 if self.held else 200
             fresh = self.queue.read_prompts(self.name, count=self.spec.generation.batch_prompts, block_ms=block_ms)
@@ -228,6 +230,9 @@ class Generator:
             # Validation prompts sample in their own batch: their own sample count and temperature.
             for batch in _split_by_sampling(ready):
                 self.process(batch)
+        # Told to stop (SIGTERM: scale-in, a rolling update): what it claimed and did not finish goes to the others
+        # now, not after reclaim_idle_s.
+        log.info("stopping: handed back %d prompts", self.queue.hand_back_prompts(self.name))
 
     def reclaim_from_dead_generators(self) -> list[tuple[str, Prompt]]:
         idle_ms = int(self.spec.generation.reclaim_idle_s * 1000)

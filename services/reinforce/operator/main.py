@@ -469,6 +469,9 @@ def observe(
         phase=phase,
         conditions=with_transition_times(conditions, status.get("conditions", [])),
         generatorsReady=f"{_ready(pods, 'generator')}/{run.replicas(run.spec.generation.num_generators)}",
+        # the scale subresource's (generation.numGenerators): what an HPA or KEDA reads back
+        generatorReplicas=len(generators),
+        generatorSelector=",".join(f"{k}={v}" for k, v in run.selector("generator").items()),
         generators=[
             {"name": g.name, "ready": g.ready, "loadedVersion": versions.get(g.name), "weightLoads": loads.get(g.name)}
             for g in generators
