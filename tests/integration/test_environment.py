@@ -306,8 +306,10 @@ def test_the_supervisor_starts_the_service_with_its_token_only(tmp_path: Path) -
     supervisor.paths.spec.write_text(dump_spec(spec))
     try:
         url = supervisor.start_environment()
+        [component] = supervisor.components
+        assert set(component.credentials) == {ENVIRONMENT_TOKEN_ENV}  # no Redis URL, no other service's token
         assert httpx.get(url + "/readyz").json()["tools"] == ["calculator"]
-        headers = {"Authorization": f"Bearer {supervisor.env[ENVIRONMENT_TOKEN_ENV]}"}
+        headers = {"Authorization": f"Bearer {supervisor.credentials[ENVIRONMENT_TOKEN_ENV]}"}
         assert httpx.post(url + EPISODES_PATH, json={"prompt": "p"}, headers=headers).status_code == 201
         targets = json.loads((supervisor.paths.root / PROMETHEUS_TARGETS).read_text())
         assert [t["labels"]["component"] for t in targets] == ["environment"]

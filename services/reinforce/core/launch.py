@@ -42,7 +42,9 @@ TRAINER = Service(
     credentials=(names.REDIS_URL_ENV, names.WEIGHTS_TOKEN_ENV, names.CRITIC_TOKEN_ENV),
 )  # fmt: skip
 CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port", credentials=(names.CRITIC_TOKEN_ENV,))
-ENVIRONMENT = Service("reinforce.environment", names.READY_PATH, probe_port_flag="port")
+ENVIRONMENT = Service(
+    "reinforce.environment", names.READY_PATH, probe_port_flag="port", credentials=(names.ENVIRONMENT_TOKEN_ENV,)
+)
 # `reinforce rollout` (the weight reconciler of docker compose; the supervisor and the operator run it in-process)
 ROLLOUT_CREDENTIALS = (names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV)
 

@@ -63,7 +63,7 @@ from reinforce.supervisor.samples import print_samples_summary
 
 log = logging.getLogger("reinforce")
 READY_TIMEOUT_S = 300
-CREDENTIALS = (REDIS_URL_ENV, CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN_ENV)
+CREDENTIALS = (REDIS_URL_ENV, CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV)
 # In the run folder: every component's metrics address, in Prometheus' file-service-discovery format.
 PROMETHEUS_TARGETS = "prometheus_targets.json"
 
@@ -224,6 +224,8 @@ class Supervisor:
         self.credentials = {name: secrets.token_urlsafe(24) for name in (CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV)}
         if spec.algorithm.name == "ppo":
             self.credentials[CRITIC_TOKEN_ENV] = secrets.token_urlsafe(24)
+        if spec.environment.enabled:
+            self.credentials[ENVIRONMENT_TOKEN_ENV] = secrets.token_urlsafe(24)
         self.scrape_targets: list[dict] = []
         # weights.transport http: the trainer's weight endpoint, known before generators start (their --weights-url)
         self.weights_port = free_port() if spec.weights.transport == "http" else None
@@ -309,11 +311,11 @@ class Supervisor:
         return url
 
     def start_environment(self) -> str:
-        """The environment service (environment.enabled), with a token of its own; its port also serves its metrics."""
+        """The environment service (environment.enabled); its port also serves its metrics."""
         port = free_port()
         self.add_scrape_target(COMPONENT_ENVIRONMENT, COMPONENT_ENVIRONMENT, port)
-        self.env[ENVIRONMENT_TOKEN_ENV] = secrets.token_urlsafe(24)
-        c = self.component(COMPONENT_ENVIRONMENT, self.service_argv(launch.ENVIRONMENT, port=port))
+        argv = self.service_argv(launch.ENVIRONMENT, port=port)
+        c = self.component(COMPONENT_ENVIRONMENT, argv, service=launch.ENVIRONMENT)
         url = f"http://127.0.0.1:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.ENVIRONMENT.ready_path))
         return url
@@ -346,7 +348,7 @@ class Supervisor:
         self.start_redis()
         reward_url = self.start_reward()
         critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
-        # the generators' multi-turn rollouts (issue #24, item 3) will send their episodes here
+        # the generators' multi-turn rollouts run their episodes here
         self.environment_url = self.start_environment() if self.spec.environment.enabled else None
         generator_urls = self.start_generators(reward_url)
         trainer = self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer, launch.TRAINER)
