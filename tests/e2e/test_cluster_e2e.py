@@ -357,3 +357,25 @@ def test_pods_deleted_mid_run_lose_no_step(chart_installed: Cluster) -> None:
     components = {p.metadata.labels[K8S_COMPONENT_LABEL] for p in core.list_namespaced_pod(RUNS).items}
     assert components <= {"redis", "reward", "generator", "trainer"}, components
     delete_run_and_its_children(cluster, "faults")
+
+
+def test_kubectl_scale_mid_run_trains_every_step_once(chart_installed: Cluster) -> None:
+    """Issue 26, item 3: a live run's generators scaled 1 -> 3 -> 1 with `kubectl scale` (the scale subresource,
+    what an HPA or KEDA drives). Each scale-in SIGTERMs a generator, which hands its prompts back at once: the run
+    succeeds with every step trained once, and the status follows the generators."""
+    cluster = chart_installed
+    folders = persistent_volumes(cluster, "elastic")
+    apply_run(cluster, "elastic", **{"training.checkpointEvery": 5})
+    for replicas, at_step in ((3, 4), (1, 14)):
+        wait_for_status(cluster, "elastic", lambda s, n=at_step: (s.get("step") or 0) >= n, f"step {at_step}")
+        cluster.kubectl("-n", RUNS, "scale", "rr/elastic", "--replicas", str(replicas))
+
+        def scaled(status: dict[str, Any], r: int = replicas) -> bool:
+            return status.get("generatorReplicas") == r and status.get("generatorsReady") == f"{r}/{r}"
+
+        status = wait_for_status(cluster, "elastic", scaled, f"{replicas} generators")
+        assert (status.get("step") or 0) < STEPS, "the run ended before the scaling could be seen"
+    final = wait_for_status(cluster, "elastic", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
+    assert final["publishedWeightVersion"] == STEPS
+    assert_each_step_trained_once(folders["elastic-data"] / "run", STEPS)
+    delete_run_and_its_children(cluster, "elastic")
