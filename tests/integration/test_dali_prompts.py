@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from runs import BASELINE_TRAINING, max_weight_difference, reinforce, write_spec
 
 from reinforce.core.data import DataError, PromptCursor, read_prompt_file
 from reinforce.core.models import encode_prompt_checked, load_tokenizer, materialize_policy
 from reinforce.core.spec import RunSpec, load_spec
-from runs import BASELINE_TRAINING, max_weight_difference, reinforce, write_spec
 
 pytest.importorskip("nvidia.dali")
 

@@ -29,6 +29,7 @@ from promserver import (
     panel_queries,
     wait_until_scraped,
 )
+from runs import start, wait_for_step, write_spec
 
 from generate.dashboards import (
     ALERTS,
@@ -40,7 +41,6 @@ from generate.dashboards import (
 from reinforce.core.metrics import STEP_METRICS, CriticMetrics, GeneratorMetrics, TrainerMetrics, prometheus_name
 from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
 from reinforce.supervisor.main import PROMETHEUS_TARGETS
-from runs import start, wait_for_step, write_spec
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES_TEST = ALERTS_FILE.with_name("reinforce-rules.test.yaml")

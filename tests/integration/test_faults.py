@@ -11,9 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
 from runs import (
     BASELINE_TRAINING,
     MEGATRON_TP2,
@@ -28,6 +25,9 @@ from runs import (
     wait_for_step,
     write_spec,
 )
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
 
 pytestmark = pytest.mark.slow
 STEPS = BASELINE_TRAINING["steps"]

@@ -9,11 +9,6 @@ import signal
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
 from runs import (
     assert_each_step_trained_once,
     assert_reward_rose,
@@ -23,6 +18,11 @@ from runs import (
     wait_for_step,
     write_spec,
 )
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow

@@ -12,11 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
 from runs import (
     BASELINE_TRAINING,
     MEGATRON_TP2,
@@ -31,6 +26,11 @@ from runs import (
     wait_for_step,
     write_spec,
 )
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
 
 
 @pytest.mark.slow

@@ -13,11 +13,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from reinforce.core.metrics import read_metrics
-from reinforce.core.run_dir import RunPaths
-from reinforce.core.samples import read_samples, sample_steps
-from reinforce.core.trackers import wandb_history, wandb_history_steps
 from runs import (
     EXAMPLES,
     MEGATRON_TP2,
@@ -28,6 +23,11 @@ from runs import (
     wait_for_step,
     write_spec,
 )
+
+from reinforce.core.metrics import read_metrics
+from reinforce.core.run_dir import RunPaths
+from reinforce.core.samples import read_samples, sample_steps
+from reinforce.core.trackers import wandb_history, wandb_history_steps
 
 VAL = ("val/rewards", "val/response_lengths", "val/init_policy_kl")
 
