@@ -22,9 +22,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from runs import start, wait_for_step, write_spec
+
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import start, wait_for_step, write_spec
 
 LOADED = re.compile(r"loaded weight version \d+ in ([\d.]+)s")
 

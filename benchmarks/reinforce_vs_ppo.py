@@ -20,9 +20,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from runs import reinforce, write_spec
+
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
-from runs import reinforce, write_spec
 
 ALGORITHMS = {"reinforce": "{example}", "ppo": "{example}-ppo"}
 

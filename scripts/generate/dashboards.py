@@ -4,8 +4,8 @@
 
 Every PromQL expression here is built from the names `metrics.py` defines (step metrics by their jsonl name,
 generator metrics from a `GeneratorMetrics`), so renaming a metric renames it in every panel and alert at the
-next regeneration; tests/integration/test_dashboards.py fails while the committed files differ from what this module writes,
-and runs each panel's query against a real Prometheus scraping a real run.
+next regeneration; tests/integration/test_dashboards.py fails while the committed files differ from what this module
+writes, and runs each panel's query against a real Prometheus scraping a real run.
 
 Labels. Series are selected by the labels the scrape configuration gives each target: `run` (the run's name),
 `component` (trainer, generator, reward or critic) and `instance` (the process: trainer, generator-0, reward,

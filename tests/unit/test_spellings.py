@@ -65,9 +65,10 @@ def test_every_field_round_trips_in_both_spellings(model: type[BaseModel]) -> No
     assert model.model_validate(snake) == spec and model.model_validate(camel) == spec
     # camelCase is Kubernetes': no underscore left, and the spellings differ exactly where a name has one
     assert not any("_" in path.rsplit(".", 1)[-1] for path in _every_field(model, True))
-    assert camel["kubernetes" if model is ReinforceRunSpec else "pods"]["trainer"]["tolerations"][0][
-        "tolerationSeconds"
-    ] == 5
+    assert (
+        camel["kubernetes" if model is ReinforceRunSpec else "pods"]["trainer"]["tolerations"][0]["tolerationSeconds"]
+        == 5
+    )
 
 
 def test_a_spec_file_may_spell_fields_in_camel_case(tmp_path: Path) -> None:
