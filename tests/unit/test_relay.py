@@ -6,6 +6,7 @@ Faults are injected by small HTTP servers that pause, die or lie; everything els
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -48,8 +49,8 @@ def trainer(tmp_path: Path) -> Iterator[WeightServer]:
 
 @pytest.fixture
 def relays(tmp_path: Path) -> Iterator[list[Relay]]:
-    """Four generators' relays, each with its own folder (nothing shared)."""
-    started = [Relay(tmp_path / f"gen-{i}", TOKEN, "127.0.0.1", stall_s=1.0) for i in range(4)]
+    """Four generators' relays, each with its own folder (nothing shared), patient with a source that stalls."""
+    started = [Relay(tmp_path / f"gen-{i}", TOKEN, "127.0.0.1", stall_s=30.0) for i in range(4)]
     for relay in started:
         relay.start()
     yield started
@@ -230,16 +231,27 @@ def test_a_dead_relay_is_routed_around_resuming_where_it_stopped(gated, relays: 
     assert handler.requests == ["", f"bytes={2 << 20}-"]
 
 
-def test_a_stalled_relay_is_left_after_stall_s(gated, relays: list[Relay], tmp_path: Path):
-    weights, tensors, _ = gated
-    first, second = relays[0], relays[1]  # stall_s 1: the first relay stalls, its trainer holding back the rest
+def test_a_stalled_relay_is_left_after_stall_s(gated, relays: list[Relay], tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger="reinforce.core.relay")
+    weights, tensors, handler = gated
+    first = relays[0]  # waits on its source (the trainer holding back the rest) far longer than its successor will
     first.request(weights, [])
-    start = time.monotonic()
-    second.request(weights, [url(first)])
-    out: dict[str, torch.Tensor] = {}
-    second.load(lambda p: out.update(load_file(p)), weights, WeightSources(tmp_path, weights.uri.rpartition("/v1/")[0]))
-    assert torch.equal(out["w"], tensors["w"]) and 1.0 <= time.monotonic() - start < 5.0
-    assert not first._transfer.ended  # still waiting on its source
+    wait_for(lambda: verified(first) == 2 << 20)
+    impatient = Relay(tmp_path / "impatient", TOKEN, "127.0.0.1", stall_s=1.0)
+    impatient.start()
+    try:
+        start = time.monotonic()
+        impatient.request(weights, [url(first)])
+        out: dict[str, torch.Tensor] = {}
+        allowed = WeightSources(tmp_path, weights.uri.rpartition("/v1/")[0])
+        impatient.load(lambda p: out.update(load_file(p)), weights, allowed)
+        assert torch.equal(out["w"], tensors["w"]) and 1.0 <= time.monotonic() - start < 5.0
+    finally:
+        impatient.stop()
+    assert not first._transfer.ended  # still waiting
+    # the successor took the 2 MiB the stalled relay had, then asked the trainer for the rest only
+    assert handler.requests == ["", f"bytes={2 << 20}-"]
+    assert f"{2 << 20} bytes from {url(first)}/v1/weights/{NAME}, " in caplog.text
 
 
 class _Liar(BaseHTTPRequestHandler):
