@@ -20,13 +20,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from runs import RECIPES, reinforce, write_spec
+from sections import write_section
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
 
 REPO = Path(__file__).parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "algorithms.json"
-MARKDOWN = REPO / "BENCHMARKS.md"
 HEADING = "## Algorithms on the tiny example"
 
 
@@ -73,17 +73,6 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(markdown: str, section: str) -> str:
-    """`markdown` with the section under the section's heading (its first line, up to the next second-level
-    heading) replaced or appended."""
-    heading = section.splitlines()[0]
-    start = markdown.find(heading)
-    if start < 0:
-        return markdown.rstrip("\n") + "\n\n" + section
-    end = markdown.find("\n## ", start + len(heading))
-    return markdown[:start] + section + (markdown[end:] if end >= 0 else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -104,7 +93,7 @@ def main() -> None:
                 kept = [r for r in kept if (r["recipe"], r["seed"]) != (recipe, seed)] + [result]
         kept.sort(key=lambda r: (list(RECIPES).index(r["recipe"]), r["seed"]))
         RESULTS.write_text(json.dumps({"steps": args.steps, "note": args.note, "runs": kept}, indent=1) + "\n")
-    MARKDOWN.write_text(replace_section(MARKDOWN.read_text(), render(json.loads(RESULTS.read_text()))))
+    write_section(render(json.loads(RESULTS.read_text())))
 
 
 if __name__ == "__main__":

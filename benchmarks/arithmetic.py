@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from environment import write_section
+from sections import write_section
 
 from reinforce.core.data import prompt_answer, read_prompt_file
 from reinforce.core.models import encode_prompt

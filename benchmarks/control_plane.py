@@ -29,8 +29,8 @@ from datetime import datetime
 from pathlib import Path
 
 import redis
-from algorithms import replace_section
 from runs import start, write_spec
+from sections import write_section
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.queue import DATA_FIELD
@@ -39,7 +39,6 @@ from reinforce.core.run_dir import RunPaths
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "control_plane.json"
-MARKDOWN = REPO / "BENCHMARKS.md"
 HEADING = "## Control plane: many generators, one trainer"
 LOADED = re.compile(r"^(\S+ \S+) \S+ INFO loaded weight version (\d+) ")
 
@@ -193,7 +192,7 @@ def main() -> None:
             runs=runs,
         )
         RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
-    MARKDOWN.write_text(replace_section(MARKDOWN.read_text(), render(json.loads(RESULTS.read_text()))))
+    write_section(render(json.loads(RESULTS.read_text())))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import platform
-import re
 import socket
 import statistics
 import subprocess
@@ -27,13 +26,13 @@ from pathlib import Path
 
 import httpx
 import yaml
+from sections import write_section
 
 from reinforce.core.environment_client import EnvironmentClient
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "environment.json"
-MARKDOWN = REPO / "BENCHMARKS.md"
 HEADING = "## Environment service"
 TOKEN = "benchmark-token"
 ACTIONS = {
@@ -124,19 +123,6 @@ def render(results: dict) -> str:
                 f"| {r['p99_ms']:.1f} |"
             )
     return "\n".join(lines) + "\n"
-
-
-def write_section(section: str) -> None:
-    """Replace the section of BENCHMARKS.md under `section`'s heading, its first line (up to the next `## `
-    heading), or append it. Other benchmark scripts write theirs with it too."""
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# Benchmarks\n"
-    heading = section.splitlines()[0]
-    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    MARKDOWN.write_text(text)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from algorithms import replace_section
+from sections import write_section
 
 from reinforce.core.models import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
@@ -33,7 +33,6 @@ from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.main import peak_rss_bytes, reset_peak_rss
 
 REPO = Path(__file__).resolve().parent.parent
-MARKDOWN = REPO / "BENCHMARKS.md"
 HEADING = "## Long responses: micro-batches by count and by token budget"
 CONFIGS = {
     "count (micro_batch_prompts 2)": {"micro_batch_prompts": 2, "micro_batch_tokens": None},
@@ -115,7 +114,7 @@ def main() -> None:
             *rows,
         ]
     )
-    MARKDOWN.write_text(replace_section(MARKDOWN.read_text(), section + "\n"))
+    write_section(section + "\n")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@ from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
+from sections import write_section
+
 REPO = Path(__file__).resolve().parent.parent
 
 RESULTS = REPO / "benchmarks" / "results" / "weight_fanout.json"
-MARKDOWN = REPO / "BENCHMARKS.md"
 HEADING = "## Weight fan-out"
 PREFIX = "rkfan"  # namespaces rkfan-hub, rkfan-0 (trainer), rkfan-1..N; veth ends rkv-K (node) and rkb-K (switch)
 SUBNET = "10.77.0"
@@ -300,12 +301,10 @@ def main() -> None:
     if args.role == "receiver":
         receiver_main(args.folder, args.node, args.trainer_dir, args.stall_s)
         return
-    from algorithms import replace_section  # here: the receivers need none of its imports
-
     if not args.render:
         saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         RESULTS.write_text(json.dumps(merged(saved, benchmark(args), args), indent=1) + "\n")
-    MARKDOWN.write_text(replace_section(MARKDOWN.read_text(), render(json.loads(RESULTS.read_text()))))
+    write_section(render(json.loads(RESULTS.read_text())))
 
 
 if __name__ == "__main__":
