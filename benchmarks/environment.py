@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from sections import write_section
 
 from reinforce.core.environment_client import EnvironmentClient
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
+from reinforce.supervisor.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "environment.json"
@@ -39,12 +39,6 @@ ACTIONS = {
     "calculator": '<tool_call>{"name": "calculator", "arguments": {"expression": "(12.5 * 4) ** 2 - 7"}}</tool_call>',
     "python": "```python\nprint(sum(i * i for i in range(1000)))\n```",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(work: Path, concurrency: int) -> tuple[subprocess.Popen[bytes], str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,13 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from reinforce.supervisor.ports import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from kubernetes import client, config
 from generate import crd
 from reinforce.core.spec import respell
 from reinforce.operator.resource import ReinforceRunSpec
+from reinforce.supervisor.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "tests" / "integration" / "k8s-test-cluster.sh"
@@ -64,12 +64,6 @@ def k8s_binaries() -> Path:
     if result.returncode != 0:
         raise ClusterError(f"{BUILD_SCRIPT} failed with exit code {result.returncode} (its output is above)")
     return Path(result.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -28,6 +28,7 @@ from reinforce.core.names import CRITIC_TOKEN_ENV
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
 from reinforce.critic.server import SET_ASIDE, Critic, CriticConfig, create_app, main
 from reinforce.critic.value_model import load_value_model, response_values
+from reinforce.supervisor.ports import free_port
 from reinforce.trainer.critic_client import CriticClient, CriticError
 
 TOKEN = "critic-test-token"
@@ -35,12 +36,6 @@ TINY = RandomInit(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=
 # Rows of different lengths (and an empty response) so that padding is exercised; ids < 35, the tiny vocabulary.
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10]]
 RESPONSES = [[11, 12, 13], [], [14, 15, 16, 17, 2]]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import yaml
 from reinforce.core.reward_client import RewardClient, RewardFunctionError, RewardServerError, backoff_s
 from reinforce.core.spec import RewardSpec
 from reinforce.reward.rewards import RewardError, build_reward_fn, char_fraction, vader_reward
+from reinforce.supervisor.ports import free_port
 
 READY_LINE = "reward server ready:"
 FN_MODULE = "reward_test_fns"
@@ -43,12 +44,6 @@ POSITIVE = "I love this, it is wonderful and great!"
 NEGATIVE = "This is terrible, awful and I hate it."
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Server:
     """One `python -m reinforce.reward` process; restarts keep its ports so clients keep their URL."""
 
@@ -57,7 +52,7 @@ class Server:
         self.spec = workdir / "spec.yaml"
         run = {"name": "reward-test", "policy": {"random_init": {}}, "data": {"prompts": "x.jsonl"}}
         self.spec.write_text(yaml.safe_dump({**run, "reward": reward}))
-        self.ports = [_free_port() for _ in range(3)]
+        self.ports = [free_port() for _ in range(3)]
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fn_dir), os.environ.get("PYTHONPATH", "")])}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / "server.log"
@@ -114,7 +109,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, fn_dir: Path) -> Iterator[
         "math": {"type": "python", "function": "reinforce.reward.rewards:math_answer"},
     }
     found = {name: Server(tmp_path_factory.mktemp(name), reward, fn_dir) for name, reward in rewards.items()}
-    # Started together: Triton's start-up is mostly waiting, so three overlap well even on two cores.
+    # Started together: Triton's start-up is mostly waiting, so the four overlap well even on two cores.
     for server in found.values():
         server.start()
     try:
@@ -239,7 +234,7 @@ def test_backoff_doubles_with_jitter_and_is_capped():
 
 
 def test_client_on_a_dead_port_raises_after_its_retries_fast():
-    dead = RewardClient(f"http://127.0.0.1:{_free_port()}", timeout_s=2.0, max_retries=2, max_batch_size=4)
+    dead = RewardClient(f"http://127.0.0.1:{free_port()}", timeout_s=2.0, max_retries=2, max_batch_size=4)
     start = time.monotonic()
     with pytest.raises(RewardServerError, match=r"reward server at http://127\.0\.0\.1:\d+: 1 of 1 requests "
                        r"failed after 2 retries; last error: ConnectionRefusedError"):  # fmt: skip

@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,6 +58,7 @@ from reinforce.core.threads import OPENMP_ENVIRONMENT, THREADS_ENV, thread_count
 from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
 from reinforce.supervisor.outcome import record_outcome
+from reinforce.supervisor.ports import free_port
 from reinforce.supervisor.samples import print_samples_summary
 
 log = logging.getLogger("reinforce")
@@ -70,12 +70,6 @@ PROMETHEUS_TARGETS = "prometheus_targets.json"
 
 class RunFailed(RuntimeError):
     """A component died or never became ready; the message names it."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
