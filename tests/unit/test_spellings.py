@@ -10,6 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from reinforce.core.names import COMPONENTS
 from reinforce.core.spec import SpecError, _is_section, load_spec, parse_spec, respell
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.resource import ReinforceRunSpec
@@ -50,7 +51,7 @@ def _full_run() -> ReinforceRunSpec:
     """A ReinforceRun spec with every optional section present, so that each field of each section is in its dump."""
     data = yaml.safe_load(EXAMPLE.read_text())
     data["training"]["lora"] = {}
-    data["kubernetes"] = {component: POD for component in ("redis", "reward", "generator", "trainer", "critic")}
+    data["kubernetes"] = {component: POD for component in COMPONENTS}
     return ReinforceRunSpec.model_validate(data)
 
 

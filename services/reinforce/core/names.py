@@ -27,12 +27,13 @@ COMPONENT_REWARD = "reward"
 COMPONENT_GENERATOR = "generator"
 COMPONENT_TRAINER = "trainer"
 COMPONENT_CRITIC = "critic"  # PPO only (algorithm.name ppo)
-COMPONENTS = (COMPONENT_REDIS, COMPONENT_REWARD, COMPONENT_GENERATOR, COMPONENT_TRAINER, COMPONENT_CRITIC)
+# environment.enabled only: the environment service (tools for multi-turn rollouts)
+COMPONENT_ENVIRONMENT = "environment"
+COMPONENTS = (
+    COMPONENT_REDIS, COMPONENT_REWARD, COMPONENT_GENERATOR, COMPONENT_TRAINER, COMPONENT_CRITIC, COMPONENT_ENVIRONMENT,
+)  # fmt: skip
 
 CRITIC_PORT = 5556  # the critic service's default port (NeMo-Aligner's)
-# environment.enabled only: the environment service (tools for multi-turn rollouts). Not in COMPONENTS yet: the
-# operator renders no pods for it, only `reinforce run` starts it.
-COMPONENT_ENVIRONMENT = "environment"
 ENVIRONMENT_PORT = 5557  # the environment service's default port
 ENVIRONMENT_TOKEN_ENV = "REINFORCE_ENVIRONMENT_TOKEN"  # its API: it checks it, generators send it
 

@@ -366,7 +366,11 @@ BUILTIN_TOOLS = ("python", "calculator")  # reinforce.environment.tools
 class EnvironmentSpec(_Section):
     """The environment service: episodes of tools (a sandboxed Python, a calculator, user tools) over HTTP."""
 
-    enabled: bool = Field(False, description="Start the environment service (`reinforce run`: its own process).")
+    enabled: bool = Field(
+        False,
+        description="Start the environment service (`reinforce run`: its own process; the operator: its own "
+        "Deployment, Service and NetworkPolicy).",
+    )
     tools: list[str] = Field(
         default_factory=lambda: ["python", "calculator"],
         min_length=1,

@@ -9,16 +9,21 @@ For a run R in namespace N:
 - StatefulSet + Service ``R-redis`` (AOF on a volume), unless ``kubernetes.externalRedisSecret`` names one.
 - Deployment + Service ``R-reward``: the Triton reward server.
 - Deployment ``R-generator``: ``generation.numGenerators`` replicas.
+- environment.enabled: Deployment + Service ``R-environment``, the environment service (tools for multi-turn
+  rollouts; it runs model-written code), and NetworkPolicy ``R-environment-network``: connections from the run's
+  generators to its API port and from anywhere to its metrics port, and no egress at all. Its pod is also locked down
+  past the others': a read-only root file system with a size-limited emptyDir at /tmp for scratch, no service links,
+  resource limits by default, and an optional ``runtimeClassName`` (gVisor, ...) through its pod template.
 - algorithm.name ppo: StatefulSet + Service ``R-critic`` and its PersistentVolumeClaim ``R-critic-data`` (the critic's
   initial model and checkpoints; the trainer checkpoints and restores it over HTTP).
 - StatefulSet + headless Service ``R-trainer``: one pod per model replica (``training.numRanks`` /
   ``training.tensorParallel``), each running its replica's ``tensorParallel`` ranks (tensor parallelism wants the
   fast links inside a node; request that many GPUs per trainer pod); torchrun's rendezvous is pod 0 through that
   Service.
-- NetworkPolicy ``R-network``: the run's pods accept connections from the run's own pods on any port, from the
-  operator's pods (in its own namespace) on the ports it calls (Redis, the generators' control port), and from
-  anywhere on their metrics ports only (Prometheus; generators and the critic serve metrics on ports of their own);
-  nothing else reaches Redis, the trainer, the reward server or a control API.
+- NetworkPolicy ``R-network``: the run's pods (the environment's aside) accept connections from the run's own pods
+  on any port, from the operator's pods (in its own namespace) on the ports it calls (Redis, the generators' control
+  port), and from anywhere on their metrics ports only (Prometheus; generators and the critic serve metrics on ports
+  of their own); nothing else reaches Redis, the trainer, the reward server or a control API.
 
 Every pod passes the "restricted" Pod Security Standard (non-root, no privilege escalation, no capabilities,
 RuntimeDefault seccomp) and mounts no service account token: no service of a run calls the Kubernetes API. The
@@ -44,11 +49,13 @@ from reinforce.core import launch
 from reinforce.core.names import (
     ANY_HOST,
     COMPONENT_CRITIC,
+    COMPONENT_ENVIRONMENT,
     COMPONENT_GENERATOR,
     COMPONENTS,
     CONTROL_TOKEN_ENV,
     CRITIC_PORT,
     CRITIC_TOKEN_ENV,
+    ENVIRONMENT_PORT,
     ENVIRONMENT_TOKEN_ENV,
     HEALTH_PATH,
     K8S_COMPONENT_LABEL,
@@ -105,6 +112,12 @@ CONTAINER_SECURITY_CONTEXT = {
     "runAsNonRoot": True,
     "seccompProfile": {"type": "RuntimeDefault"},
 }
+# The environment service runs model-written code: nothing it runs may change the image's files either.
+ENVIRONMENT_SECURITY_CONTEXT = {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True}
+SCRATCH_DIR = "/tmp"  # the environment pod's only writable folder (tempfile's default: each tool call's folder)
+# Unset environment resources: what the service itself takes beside its tool calls' memory, and what it asks for.
+ENVIRONMENT_SERVICE_MEMORY_MIB = 512
+ENVIRONMENT_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
 
 
 class Ports(_Section):
@@ -120,6 +133,13 @@ class Ports(_Section):
     trainer_weights: int = Field(9001, ge=1, le=65535, description="Trainer's weight endpoint (rank 0).")
     critic: int = Field(CRITIC_PORT, ge=1, le=65535, description="ppo: the critic service (API, probes).")
     critic_metrics: int = Field(CRITIC_PORT + 1, ge=1, le=65535, description="ppo: the critic's Prometheus metrics.")
+    # not ENVIRONMENT_PORT itself, which is critic_metrics' default: host-network pods share the node's ports
+    environment: int = Field(
+        ENVIRONMENT_PORT + 1, ge=1, le=65535, description="environment.enabled: the environment service (API, probes)."
+    )
+    environment_metrics: int = Field(
+        ENVIRONMENT_PORT + 2, ge=1, le=65535, description="environment.enabled: its Prometheus metrics."
+    )
     rendezvous: int = Field(29500, ge=1, le=65535, description="torchrun's rendezvous on trainer pod 0.")
 
 
@@ -139,6 +159,7 @@ class Images(_Section):
     )
     trainer: str = Field("reinforce-trainer:0.1.0", description="Trainer.")
     critic: str = Field("reinforce-critic:0.1.0", description="ppo: the critic service.")
+    environment: str = Field("reinforce-environment:0.1.0", description="environment.enabled: the environment service.")
 
 
 class OperatorConfig(_Section):
@@ -148,7 +169,8 @@ class OperatorConfig(_Section):
     image_pull_policy: str = Field("IfNotPresent", description="Pull policy of every container.")
     pods: dict[str, PodSpec] = Field(
         default_factory=dict,
-        description="Default pod settings per component (redis, reward, generator, trainer, critic); a run's own win.",
+        description="Default pod settings per component (redis, reward, generator, trainer, critic, environment); a "
+        "run's own win.",
     )
     ports: Ports = Field(default_factory=Ports)
     profile: Literal["standard", "host-network"] = Field(
@@ -242,6 +264,11 @@ class Run:
         return self.spec.algorithm.name == "ppo"
 
     @property
+    def environment(self) -> bool:
+        """Multi-turn runs with tools have an environment service."""
+        return self.spec.environment.enabled
+
+    @property
     def host_network(self) -> bool:
         return self.config.profile == "host-network"
 
@@ -255,7 +282,10 @@ def children(run: Run) -> list[dict[str, Any]]:
     objects = [spec_config_map(run), secrets_secret(run), data_volume(run)]
     if run.spec.kubernetes.external_redis_secret is None:
         objects += [redis_volume(run), redis_service(run), redis_stateful_set(run)]
-    objects += [reward_service(run), reward_deployment(run), generator_deployment(run)]
+    objects += [reward_service(run), reward_deployment(run)]
+    if run.environment:  # before the generators, which call it
+        objects += [environment_service(run), environment_deployment(run), environment_network_policy(run)]
+    objects += [generator_deployment(run)]
     if run.ppo:
         objects += [critic_volume(run), critic_service(run), critic_stateful_set(run)]
     objects += [trainer_service(run), trainer_stateful_set(run), network_policy(run)]
@@ -370,7 +400,23 @@ def pod_settings(run: Run, component: str) -> PodSpec:
     """The run's settings for a component's pods, over the operator's defaults (field by field)."""
     default = run.config.pods.get(component, PodSpec())
     mine = getattr(run.spec.kubernetes, component)
-    return PodSpec.model_validate({**default.model_dump(exclude_unset=True), **mine.model_dump(exclude_unset=True)})
+    settings = PodSpec.model_validate({**default.model_dump(exclude_unset=True), **mine.model_dump(exclude_unset=True)})
+    return _environment_resources(run, settings) if component == COMPONENT_ENVIRONMENT else settings
+
+
+def _environment_resources(run: Run, settings: PodSpec) -> PodSpec:
+    """The environment pod never runs unbounded: each resource limit left unset gets a default from the spec's
+    own limits (a CPU per concurrent tool call; their address-space limits plus the service's own memory), and a
+    small request where neither a request nor a limit of that resource is set (a limit alone makes Kubernetes
+    request the limit)."""
+    e = run.spec.environment
+    memory_mib = e.max_concurrent_calls * e.memory_limit_mb + ENVIRONMENT_SERVICE_MEMORY_MIB
+    limits = {"cpu": str(e.max_concurrent_calls), "memory": f"{memory_mib}Mi", **settings.limits}
+    requests = {
+        **{r: v for r, v in ENVIRONMENT_REQUESTS.items() if r not in settings.limits},
+        **settings.requests,
+    }
+    return settings.model_copy(update={"limits": limits, "requests": requests})
 
 
 def default_image(run: Run, component: str) -> str:
@@ -394,7 +440,9 @@ def _container(run: Run, component: str, command: list[str], ports: dict[str, in
         "command": command,
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()],
         "resources": resources,
-        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "securityContext": ENVIRONMENT_SECURITY_CONTEXT
+        if component == COMPONENT_ENVIRONMENT
+        else CONTAINER_SECURITY_CONTEXT,
         **extra,
     }
 
@@ -493,6 +541,7 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     p = run.config.ports
     reward_url = f"http://{run.host('reward')}:{p.reward_http}"
     weights_url = launch.weights_url(trainer_pod_address(run, 0), p.trainer_weights)
+    environment = {"environment_url": environment_url(run)} if run.environment else {}
     volume, mount = _spec_volume(run)
     volumes = [volume, {"name": "cache", "emptyDir": {}}]
     mounts = [mount, {"name": "cache", "mountPath": DATA_DIR}]
@@ -500,7 +549,7 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     if not run.host_network:
         command = _python_service(
             launch.GENERATOR, reward_url=reward_url, port=p.generator, metrics_port=p.generator_metrics,
-            id=f"$({POD_NAME_ENV})", weights_url=weights_url,
+            id=f"$({POD_NAME_ENV})", weights_url=weights_url, **environment,
         )  # fmt: skip
         container = _container(
             run, "generator", command, {"control": p.generator, "metrics": p.generator_metrics},
@@ -513,7 +562,7 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     port, metrics_port = (f"$(({base} + ${{POD_NAME##*-}}))" for base in (p.generator, p.generator_metrics))
     generator = _python_service(
         launch.GENERATOR, reward_url=reward_url, port=port, metrics_port=metrics_port, id=f"${POD_NAME_ENV}",
-        weights_url=weights_url,
+        weights_url=weights_url, **environment,
     )  # fmt: skip
     probe = {
         "exec": {
@@ -613,16 +662,30 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
     p = run.config.ports
     volume, mount = _spec_volume(run)
     ports = {"metrics": p.trainer_metrics, "weights": p.trainer_weights, "rendezvous": p.rendezvous}
+    pods = trainer_pods(run.spec.training)
+    readiness: dict[str, Any] = {"tcpSocket": {"port": p.trainer_metrics}, "periodSeconds": 5}
+    if pods > 1:
+        # Only pod 0 (the main rank) serves metrics and weights: the others are ready while their ranks run. On the
+        # node's network the pods' ports are host ports, which two pods on one node cannot both declare.
+        command = ["python", "-c", _MAIN_TRAINER_LISTENS.format(port=p.trainer_metrics)]
+        readiness = {"exec": {"command": command}, "periodSeconds": 5}
+        if run.host_network:
+            ports = {}
     container = _container(
         run, "trainer", trainer_command(run), ports,
         env=_service_env(run, launch.TRAINER),
         volumeMounts=[mount, {"name": "data", "mountPath": DATA_DIR}],
-        readinessProbe={"tcpSocket": {"port": p.trainer_metrics}, "periodSeconds": 5},
+        readinessProbe=readiness,
     )  # fmt: skip
     volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("data")}}]
-    return _stateful_set(
-        run, "trainer", trainer_pods(run.spec.training), _pod_template(run, "trainer", [container], volumes)
-    )
+    return _stateful_set(run, "trainer", pods, _pod_template(run, "trainer", [container], volumes))
+
+
+# Readiness of trainer pod N: pod 0 once its metrics port listens, any other pod while its container runs.
+_MAIN_TRAINER_LISTENS = (
+    "import os, socket; "
+    'os.environ["POD_NAME"].endswith("-0") and socket.create_connection(("127.0.0.1", {port}), timeout=3).close()'
+)
 
 
 def metrics_ports(run: Run) -> list[int]:
@@ -638,6 +701,10 @@ def operator_ports(run: Run) -> list[int]:
     return [*([p.redis] if run.spec.kubernetes.external_redis_secret is None else []), p.generator]
 
 
+def _own_pods(run: Run) -> dict[str, str]:
+    return {K8S_NAME_LABEL: run.labels[K8S_NAME_LABEL], K8S_INSTANCE_LABEL: run.name}
+
+
 def _tcp(ports: list[int]) -> list[dict[str, Any]]:
     return [{"port": port, "protocol": "TCP"} for port in ports]
 
@@ -646,7 +713,12 @@ def network_policy(run: Run) -> dict[str, Any]:
     """Who may connect to the run's pods: the run's own pods on every port; the operator's pods, of its own
     namespace only (a label alone anyone can set), on the ports it calls; anyone on the metrics ports (Prometheus
     may run anywhere, and no metrics port serves anything else)."""
-    own_pods = {K8S_NAME_LABEL: run.labels[K8S_NAME_LABEL], K8S_INSTANCE_LABEL: run.name}
+    own_pods = _own_pods(run)
+    selected: dict[str, Any] = {"matchLabels": own_pods}
+    if run.environment:  # R-environment-network alone says who reaches it (policies add up: none may let more in)
+        selected["matchExpressions"] = [
+            {"key": K8S_COMPONENT_LABEL, "operator": "NotIn", "values": [COMPONENT_ENVIRONMENT]}
+        ]
     operator = {
         "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: run.config.operator_namespace}},
         "podSelector": {"matchLabels": {K8S_NAME_LABEL: OPERATOR_APP_NAME}},
@@ -656,7 +728,7 @@ def network_policy(run: Run) -> dict[str, Any]:
         "kind": "NetworkPolicy",
         "metadata": run.metadata(run.child("network")),
         "spec": {
-            "podSelector": {"matchLabels": own_pods},
+            "podSelector": selected,
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": own_pods}}]},
@@ -696,3 +768,56 @@ def critic_stateful_set(run: Run) -> dict[str, Any]:
     )  # fmt: skip
     volumes = [volume, {"name": "data", "persistentVolumeClaim": {"claimName": run.child("critic-data")}}]
     return _stateful_set(run, COMPONENT_CRITIC, 1, _pod_template(run, COMPONENT_CRITIC, [container], volumes))
+
+
+def environment_url(run: Run) -> str:
+    """Where the generators reach the environment service (their --environment-url)."""
+    return f"http://{run.host(COMPONENT_ENVIRONMENT)}:{run.config.ports.environment}"
+
+
+def environment_service(run: Run) -> dict[str, Any]:
+    p = run.config.ports
+    return _service(run, COMPONENT_ENVIRONMENT, {"http": p.environment, "metrics": p.environment_metrics})
+
+
+def environment_deployment(run: Run) -> dict[str, Any]:
+    """One environment pod: its episodes live in its memory, so a second replica behind the Service would answer
+    404 for the first one's episodes. It holds the environment token alone (launch.ENVIRONMENT.credentials)."""
+    port, metrics_port = run.config.ports.environment, run.config.ports.environment_metrics
+    command = _python_service(launch.ENVIRONMENT, port=port, metrics_port=metrics_port)
+    volume, mount = _spec_volume(run)
+    container = _container(
+        run, COMPONENT_ENVIRONMENT, command, {"http": port, "metrics": metrics_port},
+        env=_service_env(run, launch.ENVIRONMENT),
+        volumeMounts=[mount, {"name": "scratch", "mountPath": SCRATCH_DIR}],
+        readinessProbe=_http_probe(launch.ENVIRONMENT.ready_path, port),
+        livenessProbe={**_http_probe(HEALTH_PATH, port, 10), "initialDelaySeconds": 30},
+    )  # fmt: skip
+    scratch = {"name": "scratch", "emptyDir": {"sizeLimit": run.spec.kubernetes.environment_scratch_size}}
+    template = _pod_template(run, COMPONENT_ENVIRONMENT, [container], [volume, scratch])
+    # No other Service's address in its environment: a tool call's code sees none of it (the sandbox empties the
+    # environment anyway), and the service needs none.
+    template["spec"]["enableServiceLinks"] = False
+    return _deployment(run, COMPONENT_ENVIRONMENT, 1, template)
+
+
+def environment_network_policy(run: Run) -> dict[str, Any]:
+    """Who may connect to the environment pod: the run's generators on its API port, anyone on its metrics port
+    (Prometheus); and it may connect to nothing (no egress rule: model-written code reaches no address, the
+    cluster's DNS and the API server included; answers to allowed connections still flow)."""
+    p = run.config.ports
+    generators = {"podSelector": {"matchLabels": {**_own_pods(run), K8S_COMPONENT_LABEL: COMPONENT_GENERATOR}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": run.metadata(run.child("environment-network"), COMPONENT_ENVIRONMENT),
+        "spec": {
+            "podSelector": {"matchLabels": run.selector(COMPONENT_ENVIRONMENT)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {"from": [generators], "ports": _tcp([p.environment])},
+                {"ports": _tcp([p.environment_metrics])},
+            ],
+            "egress": [],
+        },
+    }

@@ -41,7 +41,13 @@ import yaml
 from kubernetes import client, config
 
 from reinforce.core.metrics import TRAINER_STEP, prometheus_name, scrape
-from reinforce.core.names import COMPONENT_CRITIC, K8S_COMPONENT_LABEL, K8S_INSTANCE_LABEL, OPERATOR_CONFIG_ENV
+from reinforce.core.names import (
+    COMPONENT_CRITIC,
+    COMPONENT_ENVIRONMENT,
+    K8S_COMPONENT_LABEL,
+    K8S_INSTANCE_LABEL,
+    OPERATOR_CONFIG_ENV,
+)
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.rollout import GeneratorWeights, WeightReconciler, relay_fanout
 from reinforce.core.spec import RunSpec, SpecError, respell
@@ -280,6 +286,8 @@ def phase_of(
     needed = {"reward": 1, "trainer": trainer_pods(spec.training), "generator": 1}
     if spec.algorithm.name == "ppo":
         needed[COMPONENT_CRITIC] = 1
+    if spec.environment.enabled:
+        needed[COMPONENT_ENVIRONMENT] = 1
     if spec.kubernetes.external_redis_secret is None:
         needed["redis"] = 1
     missing = [f"{c} ({n} ready pods needed)" for c, n in needed.items() if _ready(pods, c) < n]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
 
 from reinforce.core.spec import RunSpec, SpecError, _Section, format_validation_error, respell
 from reinforce.operator.podtemplate import validate_template
@@ -78,6 +78,18 @@ class KubernetesSpec(_Section):
     generator: PodSpec = Field(default_factory=PodSpec)
     trainer: PodSpec = Field(default_factory=PodSpec)
     critic: PodSpec = Field(default_factory=PodSpec, description="The critic's pod (algorithm.name ppo).")
+    environment: PodSpec = Field(
+        default_factory=PodSpec,
+        description="The environment service's pod (environment.enabled). It runs model-written code: unset limits "
+        "default to environment.maxConcurrentCalls CPUs and environment.maxConcurrentCalls * "
+        "environment.memoryLimitMb + 512 MiB of memory; a sandboxing runtime goes in its template, e.g. "
+        "{spec: {runtimeClassName: gvisor}}.",
+    )
+    environment_scratch_size: str = Field(
+        "1Gi",
+        description="environment.enabled: size limit of the environment pod's scratch emptyDir at /tmp (its root "
+        "file system is read-only; each tool call's working folder is made there).",
+    )
     external_redis_secret: str | None = Field(
         None,
         description="A Secret of the run's namespace whose key `url` is the redis:// URL of an external Redis, "
@@ -108,13 +120,6 @@ class ReinforceRunSpec(RunSpec):
         "kubernetes.queueName (a queued run waits to be admitted: set false to start it).",
     )
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
-
-    @model_validator(mode="after")
-    def _no_environment_service_yet(self) -> ReinforceRunSpec:
-        # The operator renders no environment Deployment yet: multi-turn runs with tools run under `reinforce run`.
-        if self.environment.enabled:
-            raise ValueError("environment.enabled: the environment service does not run on Kubernetes yet")
-        return self
 
     @property
     def suspended(self) -> bool:
