@@ -43,6 +43,7 @@ from reinforce.core.names import (
     COMPONENT_CRITIC,
     CONTROL_TOKEN_ENV,
     CRITIC_TOKEN_ENV,
+    ENVIRONMENT_TOKEN_ENV,
     K8S_COMPONENT_LABEL,
     OPERATOR_CONFIG_ENV,
     REDIS_URL_ENV,
@@ -792,3 +793,59 @@ def test_the_operator_exits_even_when_kopf_does_not_stop_its_daemon(
     with operator(cluster.namespace):  # fails if kopf's thread is still alive 60 s after the block
         cluster.create_run(example_run())
         wait_for(lambda: cluster.status().get("phase") == "Pending", 30)  # the status pass ran: so did the daemon
+
+
+ENVIRONMENT_KINDS = {  # environment.enabled (issue #24)
+    ("Service", "environment"),
+    ("Deployment", "environment"),
+    ("NetworkPolicy", "environment-network"),
+}
+
+
+def test_a_tools_run_gets_a_locked_down_environment_service(operator_env: OperatorConfig, cluster: Cluster) -> None:
+    """Issue #24: a run with environment.enabled gets the environment's Deployment, Service, NetworkPolicy and token,
+    the API server (and its controller manager, which makes the pod) accepting every hardened setting as rendered;
+    the run stays Pending until its environment pod is ready too."""
+    with operator(cluster.namespace):
+        cluster.create_run(example_run(**{"environment.enabled": True, "kubernetes.environment_scratch_size": "64Mi"}))
+        children = wait_for(lambda: len(c := cluster.children()) == len(KINDS | ENVIRONMENT_KINDS) and c, 30)
+        [pod] = wait_for(lambda: cluster.pods("environment"), 30)
+        for component in ("redis", "reward", "generator", "trainer"):
+            cluster.make_ready(component)
+        waiting = "waiting for environment (1 ready pods needed)"
+        wait_for(lambda: cluster.condition("Ready").get("message") == waiting, STATUS_INTERVAL_S * 4)
+        assert cluster.status()["phase"] == "Pending"
+        cluster.make_ready("environment")
+        wait_for(lambda: cluster.status().get("phase") == "Running", STATUS_INTERVAL_S * 4)
+    assert {(kind, name.removeprefix("tiny-")) for kind, name in children} == KINDS | ENVIRONMENT_KINDS
+    p = operator_env.ports
+    serialize = cluster.core.api_client.sanitize_for_serialization
+    for spec in (serialize(children[("Deployment", "tiny-environment")].spec.template.spec), serialize(pod.spec)):
+        assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+        [container] = spec["containers"]
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"] == {"drop": ["ALL"]} and context["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert container["resources"]["limits"] == {"cpu": "4", "memory": "2560Mi"}
+        assert {v["name"]: v for v in spec["volumes"]}["scratch"]["emptyDir"] == {"sizeLimit": "64Mi"}
+        assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp", "/etc/reinforce"}
+        assert _secret_env(container) == {ENVIRONMENT_TOKEN_ENV: ("tiny-secrets", "environment-token")}
+    assert not any(v.projected or v.secret for v in pod.spec.volumes)
+    service = children[("Service", "tiny-environment")].spec
+    assert {port.name: port.port for port in service.ports} == {"http": p.environment, "metrics": p.environment_metrics}
+    secret = cluster.core.read_namespaced_secret("tiny-secrets", cluster.namespace)
+    assert len(base64.b64decode(secret.data["environment-token"])) >= 32
+    generator = children[("Deployment", "tiny-generator")].spec.template.spec.containers[0]
+    url = generator.command[generator.command.index("--environment-url") + 1]
+    assert url == f"http://tiny-environment.{cluster.namespace}.svc:{p.environment}"
+    assert ENVIRONMENT_TOKEN_ENV in {e.name for e in generator.env}
+    policy = children[("NetworkPolicy", "tiny-environment-network")].spec
+    assert policy.policy_types == ["Ingress", "Egress"] and not policy.egress  # stored: no egress rule at all
+    [api, metrics] = policy.ingress
+    assert [port.port for port in api.ports] == [p.environment]
+    assert api._from[0].pod_selector.match_labels["app.kubernetes.io/component"] == "generator"
+    assert [port.port for port in metrics.ports] == [p.environment_metrics] and not metrics._from
+    run_wide = children[("NetworkPolicy", "tiny-network")].spec.pod_selector.match_expressions
+    assert [(e.key, e.operator, e.values) for e in run_wide] == [("app.kubernetes.io/component", "NotIn",
+                                                                  ["environment"])]  # fmt: skip
