@@ -4,7 +4,8 @@
 #   reinforce-base:<release>    Debian from debootstrap --variant=minbase (the machine's own release and mirror),
 #                               with python3, python3-venv, libpython3.X, ca-certificates, curl and redis-server
 #   reinforce-runtime:0.1.0     services/reinforce/core/Dockerfile FROM that base: venv, torch (CPU), the project
-#   reinforce-reward:0.1.0, reinforce-generator:0.1.0, reinforce-trainer:0.1.0, reinforce-operator:0.1.0
+#   reinforce-reward:0.1.0, reinforce-generator:0.1.0, reinforce-trainer:0.1.0, reinforce-critic:0.1.0,
+#   reinforce-environment:0.1.0, reinforce-operator:0.1.0
 #                               services/reinforce/<name>/Dockerfile FROM the runtime (CPU variants)
 #   reinforce-redis:0.1.0       Debian's redis-server, standing in for redis:7.0 (which cannot be pulled here)
 #
@@ -29,7 +30,7 @@ CACHE="${REINFORCE_IMAGES_CACHE:-$HOME/.cache/reinforce-images}"
 # as python_full_version < "3.11.3" pick dependencies).
 PYTHON=/usr/bin/python3
 VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml")"
-SERVICES=(reward generator trainer critic operator)
+SERVICES=(reward generator trainer critic environment operator)
 DOCKER="${DOCKER:-$(command -v docker || echo /usr/bin/docker)}"
 
 # Log lines go to the script's stderr even from commands whose output goes to a log file. Background processes are

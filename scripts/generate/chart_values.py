@@ -51,8 +51,8 @@ class ServiceMonitor(_Values):
 
     enabled: bool = Field(
         True,
-        description="A ServiceMonitor (reward, trainer; PPO's critics) and a PodMonitor (generators), where the "
-        "Prometheus Operator's API exists; each scrapes the port named metrics.",
+        description="A ServiceMonitor (reward, trainer; PPO's critics; environment services) and a PodMonitor "
+        "(generators), where the Prometheus Operator's API exists; each scrapes the port named metrics.",
     )
     interval: str = Field("15s", description="Scrape interval.")
 
