@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) scripts/install_system.py engines
-	$(PY) -m pip install -q -e ".[dev,trackers,data,lora,megatron,dali]"
+	$(PY) -m pip install -q -e ".[dev,trackers,data,lora,megatron,dali,docs]"
 	$(PY) scripts/install_system.py
 	touch $@
 
@@ -33,8 +33,9 @@ lint: install
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto/reinforce/v1 --python_out=services/reinforce/core --pyi_out=services/reinforce/core records.proto
 
-# Every generated file (CRD, chart values schema and RBAC rules, operator/operator.yaml, dashboards, alerts,
-# README tables) from the code that defines it; the drift tests fail until this has been run.
+# Every generated file (CRD, chart values schema and RBAC rules, operator/operator.yaml, dashboards, alerts, the
+# README's architecture picture, the docs' reference pages) from the code that defines it; the drift tests fail until
+# this has been run.
 generate: install
 	PYTHONPATH=scripts $(PY) -m generate
 

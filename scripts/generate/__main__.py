@@ -2,12 +2,12 @@
 
 from pathlib import Path
 
-from generate import chart_values, crd, dashboards, operator_manifest, readme
+from generate import chart_values, crd, dashboards, docs, operator_manifest, readme
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# readme last: its tables describe the dashboards and alerts written before it.
-for module in (crd, chart_values, operator_manifest, dashboards, readme):
+# docs last: its tables describe the CRD, dashboards and alerts written before it.
+for module in (crd, chart_values, operator_manifest, dashboards, readme, docs):
     for path, content in module.generated_files().items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)

@@ -12,7 +12,8 @@ import sys
 from reinforce.core.spec import SpecError
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its arguments (the docs' CLI reference is generated from this parser)."""
     from reinforce.core.dali_prompts import add_shard_prompts_command
     from reinforce.core.rollout import add_rollout_command
     from reinforce.generator.answer import add_generate_command
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     add_operator_command(commands)
     add_rollout_command(commands)
     add_shard_prompts_command(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if (check := getattr(args, "check", None)) and (problem := check(args)):
         parser.error(problem)

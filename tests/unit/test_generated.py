@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from generate import chart_values, crd, dashboards, operator_manifest, readme
+from generate import chart_values, crd, dashboards, docs, operator_manifest, readme
 from reinforce.core.spec import reference_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,9 @@ def test_records_pb2_matches_the_proto(tmp_path):
         assert (tmp_path / name).read_text() == committed, f"services/reinforce/core/{name} is stale: run `make proto`"
 
 
-@pytest.mark.parametrize("module", [crd, chart_values, operator_manifest, dashboards, readme], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [crd, chart_values, operator_manifest, dashboards, readme, docs], ids=lambda m: m.__name__
+)
 def test_committed_files_match_their_source(module):
     for path, content in module.generated_files().items():
         assert path.exists() and path.read_text() == content, f"{path.relative_to(ROOT)} is stale: run `make generate`"
