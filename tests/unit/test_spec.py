@@ -104,8 +104,12 @@ def test_defaults_follow_nemo_aligner():
         ({"generation": {"engine": "sglang"}}, "generation.engine: Input should be 'torch', 'vllm' or 'tensorrt_llm'"),
         ({"generation": {"dtype": "float16"}}, "generation.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
         (
-            {"generation": {"engine": "vllm"}, "training": {"lora": {}}},
-            "training.lora sends adapter-only weight versions, which generation.engine vllm does not load yet",
+            {"generation": {"engine": "tensorrt_llm"}, "training": {"lora": {}}},
+            "training.lora sends adapter-only weight versions, which generation.engine tensorrt_llm does not load yet",
+        ),
+        (
+            {"generation": {"engine": "vllm"}, "training": {"lora": {"rank": 513}}},
+            "training.lora.rank 513: vLLM loads adapters up to rank 512",
         ),
         (
             {"algorithm": {"name": "ppo", "correct_engine_mismatch": True}},
@@ -216,6 +220,12 @@ def test_engine_defaults_resolve_by_engine(engine, algorithm, dtype, corrects):
     assert parse_spec(
         {**MINIMAL, "generation": {"engine": engine, "dtype": "float32"}}
     ).generation.resolved_dtype() == ("float32")
+
+
+def test_lora_runs_on_the_vllm_engine():
+    """Adapter-only weight versions load into vLLM's LoRA support: the pair is no longer refused."""
+    spec = parse_spec({**MINIMAL, "generation": {"engine": "vllm"}, "training": {"lora": {"rank": 16}}})
+    assert spec.training.lora.rank == 16 and spec.generation.engine == "vllm"
 
 
 def test_ppo_runs_over_data_parallel_ranks_and_asynchronously():

@@ -2,12 +2,15 @@
 
 A LoRA weight version holds only the adapters, named as in the plain model: `<module>.lora_A.weight` [r, in] and
 `<module>.lora_B.weight` [out, r] for each adapted Linear `<module>`, with safetensors metadata `format: lora` and
-`lora_scaling` (alpha / r). A generator keeps the base weights it started with and loads a version as
-W = W_base + scaling * B @ A for each adapted module: the same function of (base, adapters) every time, so a
-version loaded twice gives the same weights.
+`lora_scaling` (alpha / r). Every generator keeps the base weights it started with (weight version 0), so a version
+is the same function of (base, adapters) however many versions came before it. The torch engine merges a version:
+W = W_base + scaling * B @ A for each adapted module. The vLLM engine does not merge: it loads the adapters as a
+vLLM LoRA adapter (`peft_config` describes them in PEFT's format) and applies them beside the base weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -26,7 +29,8 @@ def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def adapted_modules(adapters: dict[str, torch.Tensor]) -> list[str]:
+def adapted_modules(adapters: Mapping[str, object]) -> list[str]:
+    """The adapted modules of a LoRA weight version, from its tensor names."""
     return sorted({name.split(".lora_A.")[0] for name in adapters if ".lora_A." in name})
 
 
@@ -44,3 +48,26 @@ def merge_into(
             a, b = adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
             start = base[module] if base is not None else weight.detach().clone()
             weight.copy_(start + scaling * (b.to(weight.dtype) @ a.to(weight.dtype)))
+
+
+def adapter_rank(shapes: dict[str, tuple[int, ...]]) -> int:
+    """The one rank r of a LoRA weight version's adapters (names and shapes as `lora_tensors` gives them)."""
+    ranks = {shape[0] for name, shape in shapes.items() if ".lora_A." in name}
+    ranks |= {shape[1] for name, shape in shapes.items() if ".lora_B." in name}
+    if len(ranks) != 1:
+        raise ValueError(f"a LoRA weight version has one rank for all its adapters, this one has {sorted(ranks)}")
+    return ranks.pop()
+
+
+def peft_config(shapes: dict[str, tuple[int, ...]], scaling: float) -> dict[str, object]:
+    """PEFT's adapter_config.json for a LoRA weight version, which engines that load PEFT adapters read: r from the
+    tensors' shapes, lora_alpha = scaling * r (so that alpha / r is the version's scaling), and the adapted modules'
+    names."""
+    rank = adapter_rank(shapes)
+    return {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": scaling * rank,
+        "target_modules": sorted({module.rsplit(".", 1)[-1] for module in adapted_modules(shapes)}),
+        "bias": "none",
+    }

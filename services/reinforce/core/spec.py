@@ -765,12 +765,17 @@ class RunSpec(_Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_needs_the_torch_engine(self) -> RunSpec:
-        if self.training.lora is not None and self.generation.engine != "torch":
+    def _lora_needs_an_engine_that_loads_adapters(self) -> RunSpec:
+        lora = self.training.lora
+        if lora is None:
+            return self
+        if self.generation.engine == "tensorrt_llm":
             raise ValueError(
-                f"training.lora sends adapter-only weight versions, which generation.engine "
-                f"{self.generation.engine} does not load yet: use generation.engine torch"
+                "training.lora sends adapter-only weight versions, which generation.engine tensorrt_llm does not "
+                "load yet: use generation.engine torch or vllm"
             )
+        if self.generation.engine == "vllm" and lora.rank > 512:
+            raise ValueError(f"training.lora.rank {lora.rank}: vLLM loads adapters up to rank 512")
         return self
 
     @model_validator(mode="after")

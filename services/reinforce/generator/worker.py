@@ -108,7 +108,9 @@ class Generator:
         self.sources = WeightSources(paths.weights, weights_url)
         # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns)
         materialize_policy(spec.policy, paths.initial_policy, spec.seed)
-        self.engine = build_engine(spec.generation, paths.initial_policy, spec.algorithm.num_rollouts_per_prompt)
+        self.engine = build_engine(
+            spec.generation, paths.initial_policy, spec.algorithm.num_rollouts_per_prompt, spec.training.lora
+        )
         log.info("generation engine: %s", self.engine.name)
         self.weight_cache = Path(tempfile.mkdtemp(prefix=f"reinforce-{name}-weights-"))  # http downloads
         self.relay = self._relay(weights_url, relay_host)

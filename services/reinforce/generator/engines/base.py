@@ -72,4 +72,5 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def load_weights(self, path: Path) -> None:
-        """Load a verified safetensors file (the whole policy, Hugging Face parameter names) in place."""
+        """Load a verified safetensors file in place: the whole policy (Hugging Face parameter names), or with
+        training.lora the adapters alone (core/lora.py), applied to the weights the engine started with."""

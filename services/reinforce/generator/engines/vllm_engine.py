@@ -26,6 +26,13 @@ Refit: the worker's `reload_weights` with the file's tensors (vLLM 0.32's in-pla
 fails after the first load). On CPU that reload leaves a tied LM head multiplying with a stale packed copy of the
 old embedding, so `reload_safetensors` packs the head again (the tests compare refits with fresh engines).
 
+LoRA (training.lora): a weight version holds only the adapters (core/lora.py). The engine then starts with vLLM's LoRA
+support on (one adapter slot, max_lora_rank the smallest vLLM allows at or above training.lora.rank) and never
+changes its base weights: each version is written beside the file as a PEFT adapter folder, loaded as a new
+`LoRARequest` (a new adapter id each load), and the previous adapter is removed, so one adapter is held at a time.
+Every request carries the current adapter; version 0 is the base alone. vLLM applies B @ A beside each adapted layer
+(nothing is merged), in the engine's dtype.
+
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core subprocess, nothing serialised, and
 `collective_rpc` calls the worker directly. Keep one live engine per process: releasing one tears down vLLM's
 process-wide distributed state, which any other live engine uses.
@@ -33,16 +40,21 @@ process-wide distributed state, which any other live engine uses.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from reinforce.core.lora import LORA_FORMAT, adapted_modules, adapter_rank, peft_config
 from reinforce.core.models import load_tokenizer
-from reinforce.core.spec import GenerationSpec
+from reinforce.core.spec import GenerationSpec, LoraSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import (
     check_fits,
@@ -55,6 +67,7 @@ from reinforce.generator.engines.common import (
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
 
 # Prompt tokens per sequence assumed when sizing the KV cache (DataSpec.max_prompt_tokens' default); longer
@@ -63,6 +76,8 @@ KV_PROMPT_TOKENS = 128
 # vLLM holds one KV block back (its null block); blocks are 128 tokens on CPU.
 KV_BLOCK_TOKENS = 128
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+# The values vLLM 0.32 accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VLLMEngine(GenerationEngine):
@@ -79,12 +94,14 @@ class VLLMEngine(GenerationEngine):
         threads: int | None = None,
         kv_cache_bytes: int | None = None,
         max_model_len: int | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         """`threads`: OpenMP threads (default: OMP_NUM_THREADS if set, else the CPUs this process may run on).
 
         `kv_cache_bytes` (default: room for batch_prompts x num_samples sequences of KV_PROMPT_TOKENS +
         max_new_tokens, and at least one of max_model_len) is overridden by vLLM's own VLLM_CPU_KVCACHE_SPACE (GiB)
-        when that is set. `max_model_len` defaults to the model's max_position_embeddings.
+        when that is set. `max_model_len` defaults to the model's max_position_embeddings. `lora`: the run's
+        training.lora; the engine then loads LoRA weight versions as adapters (and only those).
         """
         super().__init__(Path(policy_dir), generation, num_samples)
         self.threads = _configure_threads(threads)
@@ -100,7 +117,10 @@ class VLLMEngine(GenerationEngine):
             tokens = max(self.max_model_len, sequences * (KV_PROMPT_TOKENS + generation.max_new_tokens))
             tokens += KV_BLOCK_TOKENS
             kv_cache_bytes = tokens * _kv_bytes_per_token(config, dtype)
-        self._llm = _start_llm(self.policy_dir, dtype, self.max_model_len, kv_cache_bytes, config)
+        self.max_lora_rank = None if lora is None else max_lora_rank(lora.rank)
+        self._lora: LoRARequest | None = None  # the adapter every request carries; None: the base weights
+        self._lora_loads = 0  # adapter ids: one per load, so that vLLM never mistakes a new version for a cached one
+        self._llm = _start_llm(self.policy_dir, dtype, self.max_model_len, kv_cache_bytes, config, self.max_lora_rank)
         self._llm.collective_rpc("record_unfiltered_logprobs")
 
     def _sample(
@@ -111,14 +131,67 @@ class VLLMEngine(GenerationEngine):
         batch = per_sample_requests(prompts, seeds, k, limits, self.max_model_len)
         requests = [TokensPrompt(prompt_token_ids=p) for p in batch.prompts]
         params = [self._sampling_params(s, generation, n) for s, n in zip(batch.seeds, batch.limits, strict=True)]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
         return batch.grouped([self._sequence(out.outputs[0]) for out in outputs])
 
     def load_weights(self, path: Path) -> None:
-        """Refit in place. The file is checked against the policy's names and shapes first: a file that does not fit
-        is refused before any weight changes, so the previous version keeps serving."""
-        check_fits(Path(path), self._shapes, self.tie_word_embeddings)
+        """Refit in place: a whole-policy file into the weights, a LoRA version as the adapter. The file is checked
+        against the policy's names and shapes first: a file that does not fit is refused before anything changes, so
+        the previous version keeps serving."""
+        path = Path(path)
+        with safe_open(str(path), framework="pt") as f:
+            is_lora = (f.metadata() or {}).get("format") == LORA_FORMAT
+        if (self.max_lora_rank is not None) != is_lora:
+            kind = "a LoRA" if is_lora else "a whole-policy"
+            started = "with LoRA (training.lora)" if self.max_lora_rank is not None else "without LoRA"
+            raise ValueError(f"{path}: {kind} weight version, but the engine started {started}")
+        if is_lora:
+            self._load_adapter(path)
+            return
+        check_fits(path, self._shapes, self.tie_word_embeddings)
         self._llm.collective_rpc("reload_safetensors", args=(str(path), self.tie_word_embeddings))
+
+    def _load_adapter(self, path: Path) -> None:
+        """Load a LoRA version as a new adapter, then remove the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        shapes, scaling = self._check_adapter(path)
+        self._lora_loads += 1
+        # vLLM reads an adapter from a PEFT folder, and reads it whole when it is added: the folder lives only
+        # until then. The tensors are linked, not copied (the file's own names are ones vLLM parses).
+        folder = Path(tempfile.mkdtemp(prefix=f"lora-{self._lora_loads}-"))
+        try:
+            (folder / "adapter_config.json").write_text(json.dumps(peft_config(shapes, scaling)))
+            (folder / "adapter_model.safetensors").symlink_to(path.resolve())
+            request = LoRARequest(f"{path.name}#{self._lora_loads}", self._lora_loads, str(folder))
+            if not self._llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not add the adapter of {path}")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        previous, self._lora = self._lora, request
+        if previous is not None:
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    def _check_adapter(self, path: Path) -> tuple[dict[str, tuple[int, ...]], float]:
+        """(tensor name -> shape, scaling) of a LoRA version that fits the policy: each adapted module is a weight of
+        the policy, A is [r, in] and B [out, r] of it, and r is at most the engine's max_lora_rank."""
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+            scaling = float((f.metadata() or {})["lora_scaling"])
+        rank = adapter_rank(shapes)
+        if rank > (self.max_lora_rank or 0):
+            raise ValueError(f"{path}: LoRA rank {rank} above the engine's max_lora_rank {self.max_lora_rank}")
+        modules = adapted_modules(shapes)
+        if not modules or len(shapes) != 2 * len(modules):
+            raise ValueError(f"{path}: a LoRA version holds lora_A and lora_B of each adapted module, and only those")
+        for module in modules:
+            weight = self._shapes.get(f"{module}.weight")
+            a, b = shapes.get(f"{module}.lora_A.weight"), shapes.get(f"{module}.lora_B.weight")
+            if weight is None or len(weight) != 2 or a != (rank, weight[1]) or b != (weight[0], rank):
+                raise ValueError(
+                    f"{path} does not fit the policy: adapter of {module!r}, A {a}, B {b}, weight {weight}"
+                )
+        return shapes, scaling
 
     def _sampling_params(self, seed: int, gen: GenerationSpec, max_tokens: int) -> SamplingParams:
         from vllm import SamplingParams
@@ -224,7 +297,22 @@ def _configure_threads(threads: int | None) -> int:
     return threads
 
 
-def _start_llm(policy_dir: Path, dtype: str, max_model_len: int, kv_cache_bytes: int, config: PretrainedConfig) -> LLM:
+def max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of rank `rank`."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"vLLM loads LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, training.lora.rank is {rank}")
+    return fitting[0]
+
+
+def _start_llm(
+    policy_dir: Path,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    config: PretrainedConfig,
+    lora_rank: int | None,
+) -> LLM:
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -236,6 +324,11 @@ def _start_llm(policy_dir: Path, dtype: str, max_model_len: int, kv_cache_bytes:
         # vLLM only fails at the first forward pass, with "Unsupported CPU attention configuration".
         if head_dim not in supported:
             raise ValueError(f"vLLM's CPU attention supports head sizes {supported}, the policy has {head_dim}")
+    lora: dict[str, Any] = {}
+    if lora_rank is not None:
+        # One adapter serves at a time; two fit in vLLM's cache, so that the previous one leaves when this engine
+        # removes it, not when vLLM's LRU cache evicts it while the next is still being loaded.
+        lora = {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1, "max_cpu_loras": 2}
     return LLM(
         model=str(policy_dir),
         dtype=dtype,
@@ -249,6 +342,7 @@ def _start_llm(policy_dir: Path, dtype: str, max_model_len: int, kv_cache_bytes:
         generation_config="vllm",  # sampling comes from GenerationSpec only, not the model card's defaults
         worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
         disable_log_stats=True,
+        **lora,
     )
 
 
