@@ -32,6 +32,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+CODE_SPAN = re.compile(r"(`[^`]*`)")
+
+
+def _html_safe(table: str) -> str:
+    """A markdown table as Python-Markdown renders it right: `<name>` outside code is text, not a tag, and a code
+    span holding a table pipe (`str \\| None`) becomes <code> with the pipe as an entity (a backslash would show)."""
+
+    def fix(part: str) -> str:
+        if not part.startswith("`"):
+            return part.replace("<", "&lt;").replace(">", "&gt;")
+        if "\\|" not in part:
+            return part
+        inner = part[1:-1].replace("\\|", "|").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        return "<code>" + inner.replace("|", "&#124;") + "</code>"
+
+    return "\n".join("".join(fix(p) for p in CODE_SPAN.split(line)) for line in table.splitlines())
+
+
 def spec_markdown() -> str:
     """Every run-spec field, with its ReinforceRun spelling (camelCase) where that differs from the file's."""
     rows = reference_rows(RunSpec)
@@ -123,6 +141,7 @@ def estimators_markdown() -> str:
     return "\n\n".join(parts)
 
 
+SOURCE_CODE = {"estimators"}  # code blocks, shown as they are
 GENERATED: dict[str, tuple[str, Callable[[], str]]] = {
     "spec-reference": ("reference/spec.md", spec_markdown),
     "kubernetes-reference": ("reference/kubernetes.md", kubernetes_reference_markdown),
@@ -139,7 +158,8 @@ def render_block(text: str, name: str, make: Callable[[], str], page: str) -> st
     pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- end:{name} -->)", re.S)
     if not pattern.search(text):
         sys.exit(f"docs/{page} lacks the markers of the generated block {name!r}")
-    return pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), text)
+    block = make() if name in SOURCE_CODE else _html_safe(make())
+    return pattern.sub(lambda m: m.group(1) + block + "\n" + m.group(2), text)
 
 
 def _flags(action: argparse.Action) -> str:
@@ -176,7 +196,7 @@ def cli_markdown() -> str:
                 continue
             meaning = _cell((action.help or "") % {"default": action.default} if action.help else "")
             lines.append(f"| {_flags(action)} | {_default(action)} | {meaning} |")
-    return "\n".join(lines) + "\n"
+    return _html_safe("\n".join(lines)) + "\n"
 
 
 def crd_markdown() -> str:
