@@ -25,13 +25,21 @@ from generate.dashboards import (
     RUN_VARIABLE,
     dashboard_json,
 )
-from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
+from reinforce.core.names import (
+    COMPONENT_CRITIC,
+    COMPONENT_ENVIRONMENT,
+    COMPONENT_GENERATOR,
+    COMPONENT_REWARD,
+    COMPONENT_TRAINER,
+)
+from reinforce.core.names import COMPONENTS as ALL_COMPONENTS
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 # Series Prometheus makes itself about each target, not exported by any service.
 SYNTHETIC = {"up"}
 RATE_WINDOW_S = 10  # the rate interval of expand(): the scrapes are 1 s apart
-COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_CRITIC}
+COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_CRITIC}  # a PPO run's
+TOOLS_COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_ENVIRONMENT}  # a tools run's
 
 
 class Prometheus:
@@ -133,6 +141,12 @@ def wait_until_scraped(
 ALERT_HOLD_S = 5
 
 
+def _only_of(expr: str, skipped: set[str]) -> bool:
+    """Whether an expression selects skipped dashboards' metrics and no others (`up` is every component's)."""
+    exported = metric_names(expr) - SYNTHETIC
+    return bool(exported) and exported <= skipped
+
+
 def assert_every_dashboard_query_answers(
     prometheus: Prometheus, run: str, at: float, skip: frozenset[str] = frozenset()
 ) -> int:
@@ -140,23 +154,25 @@ def assert_every_dashboard_query_answers(
     through the last ALERT_HOLD_S seconds,
     and every metric a dashboard or alert names has a series from one of the run's components. Returns the
     number of metric names checked. `skip`: dashboard files of components the run does not have (a REINFORCE
-    run has no critic)."""
+    run has no critic, a run without tools no environment); an alert on their metrics alone is skipped too."""
     queries = [q for q in panel_queries() if q[0] not in skip]
+    checked = {n for _, _, e in queries for n in metric_names(e)}
+    skipped = {n for file, _, e in panel_queries() if file in skip for n in metric_names(e)} - checked
+    alerts = [(name, expr) for name, expr in alert_queries() if not _only_of(expr, skipped)]
     empty = []
     for file, title, expr in queries:
         result = prometheus.query(expand(expr, run), at)
         if not any(math.isfinite(float(r["value"][1])) for r in result):
             empty.append(f"{file}: {title}: {expand(expr, run)} -> {result}")
     assert not empty, "queries without a finite value:\n" + "\n".join(empty)
-    for name, expr in alert_queries():  # a healthy run: no alert's condition holds for ALERT_HOLD_S scrapes
+    for name, expr in alerts:  # a healthy run: no alert's condition holds for ALERT_HOLD_S scrapes
         held = [
             any(r["metric"].get("run") == run for r in prometheus.query(expr, at - seconds))
             for seconds in range(ALERT_HOLD_S)
         ]
         assert not all(held), name
-    names = {n for _, _, e in queries for n in metric_names(e)}
-    names |= {n for _, e in alert_queries() for n in metric_names(e)} - SYNTHETIC
+    names = checked | ({n for _, e in alerts for n in metric_names(e)} - SYNTHETIC)
     for name in sorted(names):
         series = prometheus.api("series", **{"match[]": f'{name}{{run="{run}"}}', "start": at - 60, "end": at})
-        assert {s["component"] for s in series} & COMPONENTS, name
+        assert {s["component"] for s in series} & set(ALL_COMPONENTS), name
     return len(names)

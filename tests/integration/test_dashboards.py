@@ -3,8 +3,9 @@
 The committed files must equal what the module writes; promtool checks the rules and runs their unit tests (each
 alert fires); and a real Prometheus (Debian's) scrapes a real tiny run through the supervisor's
 prometheus_targets.json (a PPO run, so that the critic is scraped too; the trainer exports every step metric,
-REINFORCE's at 0), where every panel's query must return data and every metric a dashboard or alert names
-must be exported by a service. There is no Grafana server to be had: its part is the PromQL.
+REINFORCE's at 0; and a multi-turn run, examples/tiny-tools.yaml, whose environment service the environment dashboard
+shows), where every panel's query must return data and every metric a dashboard or alert names must be exported by a
+service. There is no Grafana server to be had: its part is the PromQL.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 from promserver import (
     COMPONENTS,
     SYNTHETIC,
+    TOOLS_COMPONENTS,
     Prometheus,
     alert_queries,
     assert_every_dashboard_query_answers,
@@ -38,8 +40,21 @@ from generate.dashboards import (
     DASHBOARDS_DIR,
     Triton,
 )
-from reinforce.core.metrics import STEP_METRICS, CriticMetrics, GeneratorMetrics, TrainerMetrics, prometheus_name
-from reinforce.core.names import COMPONENT_CRITIC, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_TRAINER
+from reinforce.core.metrics import (
+    STEP_METRICS,
+    CriticMetrics,
+    EnvironmentMetrics,
+    GeneratorMetrics,
+    TrainerMetrics,
+    prometheus_name,
+)
+from reinforce.core.names import (
+    COMPONENT_CRITIC,
+    COMPONENT_ENVIRONMENT,
+    COMPONENT_GENERATOR,
+    COMPONENT_REWARD,
+    COMPONENT_TRAINER,
+)
 from reinforce.supervisor.main import PROMETHEUS_TARGETS
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -53,7 +68,8 @@ SCRAPED_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_c
 def known_metric_names() -> set[str]:
     """Every name the services export as scraped, from metrics.py's own registries, and Triton's."""
     names = {prometheus_name(n) for n in STEP_METRICS}
-    for registry in (TrainerMetrics(jsonl_path=None).registry, GeneratorMetrics().registry, CriticMetrics().registry):
+    registries = (TrainerMetrics(jsonl_path=None), GeneratorMetrics(), CriticMetrics(), EnvironmentMetrics())
+    for registry in (m.registry for m in registries):
         for family in registry.collect():
             names |= {s.name for s in family.samples}
             names |= {family.name + suffix for suffix in SCRAPED_SUFFIXES.get(family.type, ("",))}
@@ -94,6 +110,26 @@ def test_every_query_names_only_defined_metrics():
         assert names <= known, f"{where}: {sorted(names - known)} are exported by no service"
     panel_names = {n for _, _, e in panel_queries() for n in metric_names(e)}
     assert panel_names >= {Triton.REQUEST_SUCCESS, Triton.QUEUE_US, prometheus_name("timers/weight_publish")}
+    tools = EnvironmentMetrics()
+    for metric, part in ((tools.tool_calls, "_total"), (tools.tool_errors, "_total"), (tools.seconds, "_bucket")):
+        assert metric.describe()[0].name + part in panel_names
+
+
+def test_the_environment_dashboard_and_alert_show_calls_errors_and_latency():
+    """Issue #24, item 7: tool calls/s, the tool error rate (errors and timeouts over calls run; malformed calls
+    apart) and tool latency quantiles, per run and per tool; and an alert on an error rate that stays high."""
+    [board] = [d for d in DASHBOARDS if d.file == "environment.json"]
+    exprs = {p.title: [q.expr for q in p.queries] for p in board.panels}
+    assert {"Tool calls/s", "Tool error rate", "Tool latency p99", "Tool latency"} <= set(exprs)
+    [rate] = exprs["Tool error rate"]
+    errors, calls = rate.split(" / ")
+    assert 'reinforce_environment_tool_errors_total{run=~"$run", tool!="invalid"}' in errors
+    assert "reinforce_environment_tool_timeouts_total" in errors and "reinforce_environment_tool_calls_total" in calls
+    assert [e.split("(")[1] for e in exprs["Tool latency"]] == ["0.5, sum by ", "0.99, sum by "]
+    assert all("sum by (run, tool, le)" in e for e in exprs["Tool latency"])
+    [alert] = [a for a in ALERTS if a.name == "ReinforceToolErrorRateHigh"]
+    assert alert.expr.endswith(" > 0.5") and "[15m]" in alert.expr and "$run" not in alert.expr
+    assert alert.for_minutes == 15 and alert.severity == "warning"
 
 
 def test_metric_name_extraction():
@@ -171,8 +207,34 @@ def test_every_panel_query_returns_data_from_a_live_run(tmp_path, prometheus):
         COMPONENT_TRAINER: "1",
     }
 
-    names = assert_every_dashboard_query_answers(prometheus, "tiny-ppo", at)
+    names = assert_every_dashboard_query_answers(prometheus, "tiny-ppo", at, skip=frozenset({"environment.json"}))
     rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert {r["name"] for r in rules} == {a.name for a in ALERTS}
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     print(f"{len(panel_queries())} panel queries and {names} metric names checked")
+
+
+@pytest.mark.slow
+def test_the_environment_dashboard_answers_from_a_live_tools_run(tmp_path, prometheus):
+    """examples/tiny-tools.yaml (multi-turn, the calculator) scraped live: every dashboard but PPO's answers, the
+    environment's included (its tools' series exist from the start, so the error rates are 0, not missing), and no
+    alert's condition holds."""
+    spec = write_spec(tmp_path, "tiny-tools", training={"steps": 40, "checkpoint_every": 40})
+    run_dir = tmp_path / "run"
+    run = start("run", str(spec))
+    try:
+        wait_for_step(run, run_dir, 10)
+        at = wait_until_scraped(prometheus, "tiny-tools", TOOLS_COMPONENTS)
+        time.sleep(2)  # the scrapes up to `at` are stored
+        names = assert_every_dashboard_query_answers(prometheus, "tiny-tools", at, skip=frozenset({"ppo.json"}))
+        calls = prometheus.query('sum(reinforce_environment_tool_calls_total{run="tiny-tools"})', at)
+        errors = prometheus.query('reinforce_environment_tool_errors_total{run="tiny-tools"}', at)
+        assert run.wait(timeout=300) == 0, run.communicate()[1][-3000:]
+    finally:
+        if run.poll() is None:
+            run.terminate()
+            run.wait(timeout=60)
+    assert float(calls[0]["value"][1]) > 0  # the episodes called the calculator
+    assert {r["metric"]["tool"] for r in errors} == {"calculator", "invalid"}  # exported at 0 before any error
+    assert {r["metric"]["component"] for r in errors} == {COMPONENT_ENVIRONMENT}
+    print(f"{names} metric names checked against a tools run")

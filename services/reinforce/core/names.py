@@ -59,6 +59,8 @@ REWARD_LIVE_PATH = "/v2/health/live"
 PROMETHEUS_RUN_LABEL = "run"
 PROMETHEUS_COMPONENT_LABEL = "component"
 PROMETHEUS_INSTANCE_LABEL = "instance"
+# The environment service's `tool` label of calls that did not parse or named no tool (counted as errors, not calls)
+INVALID_TOOL = "invalid"
 K8S_NAME_LABEL = "app.kubernetes.io/name"  # "reinforce" on a run's objects, OPERATOR_APP_NAME on the operator's
 K8S_INSTANCE_LABEL = "app.kubernetes.io/instance"  # the run's name
 K8S_COMPONENT_LABEL = "app.kubernetes.io/component"

@@ -51,6 +51,7 @@ from reinforce.core.names import (
     ENVIRONMENT_PORT,
     ENVIRONMENT_TOKEN_ENV,
     HEALTH_PATH,
+    INVALID_TOOL,
     LOCAL_HOST,
     METRICS_PATH,
     READY_PATH,
@@ -72,7 +73,6 @@ log = logging.getLogger("reinforce.environment")
 # stops waiting for any tool.
 TIME_LIMIT_GRACE_S = 1.0
 TRUNCATED = "\n[output truncated]"
-INVALID_TOOL = "invalid"  # the tool label of calls that did not parse or named no tool
 
 
 class NoEpisode(LookupError):
@@ -110,6 +110,17 @@ class Environment:
         self.instructions = instructions(self.tool_classes, python_blocks=PythonTool in self.tool_classes)
         self.episodes: dict[str, Episode] = {}
         self.calls = asyncio.Semaphore(spec.max_concurrent_calls)
+        self._export_zeros()
+
+    def _export_zeros(self) -> None:
+        """Every tool's series from the start, at 0: a labelled series is exported only once its labels are used,
+        and a dashboard's error rate or an alert over a series that does not exist yet has no value at all."""
+        m = self.metrics
+        for name in (cls.name for cls in self.tool_classes):
+            for counter in (m.tool_calls, m.tool_errors, m.timeouts):
+                counter.labels(name)
+            m.seconds.labels(name)
+        m.tool_errors.labels(INVALID_TOOL)
 
     def _episode(self, episode_id: str) -> Episode:
         episode = self.episodes.get(episode_id)
