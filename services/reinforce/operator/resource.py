@@ -81,8 +81,8 @@ class KubernetesSpec(_Section):
     environment: PodSpec = Field(
         default_factory=PodSpec,
         description="The environment service's pod (environment.enabled). It runs model-written code: unset limits "
-        "default to environment.maxConcurrentCalls CPUs and environment.maxConcurrentCalls * "
-        "environment.memoryLimitMb + 512 MiB of memory; a sandboxing runtime goes in its template, e.g. "
+        "default to a CPU per concurrent tool call (environment.maxConcurrentCalls) and memory for that many calls "
+        "of environment.memoryLimitMb plus the service's own; a sandboxing runtime goes in its template, e.g. "
         "{spec: {runtimeClassName: gvisor}}.",
     )
     environment_scratch_size: str = Field(
