@@ -39,7 +39,7 @@ PREFIX = "rkfan"  # namespaces rkfan-hub, rkfan-0 (trainer), rkfan-1..N; veth en
 SUBNET = "10.77.0"
 PORT = 7000  # the trainer's endpoint and every relay, each at its own address
 TOKEN = "fanout-benchmark-token"
-SMOLLM2_BF16_PARAMETERS = 134_515_008  # SmolLM2-135M's parameters (README, Megatron backend)
+SMOLLM2_BF16_PARAMETERS = 134_515_008  # SmolLM2-135M's parameters (examples/quickstart.yaml's policy)
 
 
 def sh(*argv: str) -> None:

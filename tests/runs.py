@@ -115,7 +115,7 @@ def assert_each_step_trained_once(run_dir: Path, steps: int, prompts_per_step: i
 
 
 # The algorithm section of each recipe on the tiny example (benchmarks/algorithms.py, test_pipeline.py): the peers'
-# recipes as README's "Coming from TRL / NeMo-Aligner" names them.
+# recipes as docs/algorithms.md's "Algorithm recipes" names them.
 RECIPES: dict[str, dict] = {
     "rloo": {},
     "grpo": {"advantage_estimator": "grpo"},

@@ -143,7 +143,7 @@ class ChartValues(_Values):
     )  # fmt: skip
     operatorConfig: OperatorConfig = Field(
         default_factory=lambda: OperatorConfig(pods={"redis": PodSpec(requests={"cpu": "100m", "memory": "256Mi"})}),
-        description="The operator's configuration (README: the operator configuration table): defaults for what a "
+        description="The operator's configuration (docs/reference/kubernetes.md): defaults for what a "
         "ReinforceRun leaves unset. operatorNamespace is the release's namespace, whatever is set here.",
     )
     metrics: Metrics = Field(default_factory=Metrics)

@@ -15,12 +15,13 @@ rewritten: ``$defs`` are inlined, ``X | None`` becomes ``nullable: true``, ``exc
 Each field whose name has two spellings is listed in both: camelCase, with its default, and its snake_case name
 without default or description, marked deprecated. A structural schema prunes unknown fields also from what it
 reads from etcd, so a run stored in the snake_case spelling of earlier releases would lose its values at the upgrade
-(and for good at its next write); listed, they are kept, and the operator reads them (README: upgrading).
+(and for good at its next write); listed, they are kept, and the operator reads them (docs/kubernetes/upgrading.md).
 (``x-kubernetes-preserve-unknown-fields`` on the sections would keep them too, but the API server then publishes
 those sections without their fields, and ``kubectl explain`` shows none.) A pod template
 (``kubernetes.<component>.template``) is an object whose fields are kept: the kubernetes client's PodTemplateSpec
 schema, inlined as a structural schema must be, would be ~109 KB per component without its descriptions and ~363 KB
-with them (the README says why it is not embedded); the operator validates templates with that model instead.
+with them (docs/kubernetes/security.md, pod templates, says why it is not embedded); the operator validates templates
+with that model instead.
 """
 
 from __future__ import annotations

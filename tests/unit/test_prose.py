@@ -1,5 +1,5 @@
-"""Prose is code: every path of this repository named in a comment, docstring, README, chart or Makefile exists,
-and every Makefile target parses and names only what exists; spec and chart field descriptions carry no
+"""Prose is code: every path of this repository named in a comment, docstring, README, docs page, chart or Makefile
+exists, and every Makefile target parses and names only what exists; spec and chart field descriptions carry no
 measurements and say what a field does on Kubernetes where that differs (issue 23)."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_every_make_target_parses(target: str) -> None:
 
 
 # A figure with a unit of time, size, rate or ratio, an approximate figure, or words of a measurement or of this
-# machine's state: those belong in BENCHMARKS.md and the README, not in a field's description (CRD, kubectl explain).
+# machine's state: those belong in BENCHMARKS.md and the docs, not in a field's description (CRD, kubectl explain).
 MEASUREMENT = re.compile(
     r"~\s*\d|\b\d[\d.]*\s*(?:x\b|%|ms\b|s\b|us\b|µs|[KMG]i?B\b|tok/s|tokens/s|GFLOP|seconds?\b|minutes?\b|hours?\b)"
     r"|\bmeasured\b|\bthis machine\b|\bnot yet run\b|\bbenchmark",
@@ -89,7 +89,7 @@ DESCRIBED = {"ReinforceRun spec": ReinforceRunSpec, "chart values": ChartValues}
 
 
 def descriptions(model: type[BaseModel]) -> dict[str, str]:
-    """Field path -> description (a section's: its docstring's first line), as the README's tables show them."""
+    """Field path -> description (a section's: its docstring's first line), as the docs' reference tables show them."""
     return {row.path: row.meaning for row in reference_rows(model)}
 
 
@@ -100,7 +100,7 @@ def measurements(text: str, path: str) -> list[str]:
 @pytest.mark.parametrize("model", DESCRIBED.values(), ids=DESCRIBED.keys())
 def test_no_field_description_holds_a_measurement(model: type[BaseModel]) -> None:
     found = [f"{path}: {hits}" for path, text in descriptions(model).items() if (hits := measurements(text, path))]
-    assert not found, "measurements belong in BENCHMARKS.md or the README:\n" + "\n".join(found)
+    assert not found, "measurements belong in BENCHMARKS.md or the docs:\n" + "\n".join(found)
 
 
 def test_the_measurement_scan_sees_measurements() -> None:

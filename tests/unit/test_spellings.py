@@ -96,7 +96,8 @@ def test_an_error_names_the_field_as_the_input_spelled_it(patch: dict, expected:
 
 def test_a_field_in_both_spellings_takes_its_snake_case_one() -> None:
     """A ReinforceRun stored under the snake_case CRD of earlier releases and read through the camelCase one holds
-    its own values by name and the server's defaults by alias (README: upgrading): its own win, in any key order."""
+    its own values by name and the server's defaults by alias (docs/kubernetes/upgrading.md): its own win, in any key
+    order."""
     stored = {"generation": {"num_generators": 2, "numGenerators": 1, "maxNewTokens": 48, "max_new_tokens": 16}}
     assert respell(stored, ReinforceRunSpec) == {"generation": {"numGenerators": 2, "maxNewTokens": 16}}
     snake = {"generation": {"num_generators": 2, "max_new_tokens": 16}}

@@ -30,7 +30,7 @@ MERGE_KEYS = {
     ("spec", "containers", "volumeDevices"): "devicePath",
     ("spec", "containers", "ports"): "containerPort",
 }
-# Pod fields a template may not set, with why: each is part of what the run guarantees (README: pod security).
+# Pod fields a template may not set, with why: each is part of what the run guarantees (docs/kubernetes/security.md).
 POD_FIELDS_OF_THE_RUN = {
     "securityContext": "the restricted security context is the operator's",
     "automountServiceAccountToken": "no run pod mounts a service account token",
