@@ -244,7 +244,7 @@ LORA = LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj", "k_proj", "v_proj"
 def _lora_trainer(policy: Path) -> TorchBackend:
     """The trainer's torch backend with LoRA: PEFT adapters injected into the policy, the reference the same model."""
     pytest.importorskip("peft")
-    return TorchBackend(TrainingSpec(lora=LORA), policy, Ranks())
+    return TorchBackend(TrainingSpec(lora=LORA, precision="fp32"), policy, Ranks())
 
 
 def _publish_adapters(trainer: TorchBackend, folder: Path, version: int) -> Path:

@@ -69,6 +69,7 @@ def spec_with(algorithm: dict, micro_batch_prompts: int | None = 1, micro_batch_
                 "micro_batch_tokens": micro_batch_tokens,
                 "lr": 1e-2,
                 "max_logprob_mismatch": 1e6,
+                "precision": "fp32",  # the steps are compared to float32 noise
             },
         }
     )

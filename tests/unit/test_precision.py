@@ -58,3 +58,17 @@ def test_bf16_keeps_float32_master_weights_and_optimizer_state(tmp_path):
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     # updates smaller than a bfloat16 step survive in the float32 master weights
     assert any(not torch.equal(before[n], p) for n, p in bf16.policy.named_parameters())
+
+
+def test_auto_is_bf16_on_the_torch_backend_and_fp32_on_megatron(tmp_path):
+    """The default, auto: the torch backend trains in bfloat16 (its reference held in bfloat16), megatron in float32;
+    an explicit precision is kept on either backend."""
+    assert TrainingSpec().precision == "auto"
+    assert TrainingSpec().resolved_precision() == "bf16"
+    assert TrainingSpec(backend="megatron").resolved_precision() == "fp32"
+    assert TrainingSpec(precision="fp32").resolved_precision() == "fp32"
+    assert TrainingSpec(backend="megatron", precision="bf16").resolved_precision() == "bf16"
+    _backends(tmp_path)  # writes the policy
+    default = TorchBackend(TrainingSpec(), tmp_path / "policy", Ranks())
+    assert default.compute_dtype == torch.bfloat16
+    assert next(default.reference.parameters()).dtype == torch.bfloat16

@@ -480,11 +480,13 @@ class TrainingSpec(_Section):
         description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks) or "
         "megatron (Megatron-core GPTModel of a Llama policy with tensor parallelism; the `megatron` extra).",
     )
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="fp32: everything float32 (bit-reproducible). bf16: the policy's forward and backward under "
-        "autocast to bfloat16 with float32 master weights and AdamW state, the reference model held in bfloat16; "
-        "log-probs and the loss in float32. "
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="auto: bf16 on the torch backend, the faster of the two on CPU, and fp32 on megatron, which "
+        "trains in float32. fp32: everything float32 (bit-reproducible: set it for exactness studies and for tests "
+        "that compare runs to float32 noise). bf16 (torch backend): the policy's forward and backward "
+        "under autocast to bfloat16 with float32 master weights and AdamW state, the reference model held in "
+        "bfloat16; log-probs and the loss in float32. "
         "Weight versions travel in the generators' precision (generation.dtype) either way.",
     )
     attention: Literal["auto", "sdpa", "eager"] = Field(
@@ -555,6 +557,12 @@ class TrainingSpec(_Section):
         description="With data.validation_prompts: evaluate every this many steps, and always at the start and "
         "the end (0: only at the start and the end).",
     )
+
+    def resolved_precision(self) -> Literal["fp32", "bf16"]:
+        """`precision` with auto resolved: bf16 on the torch backend, fp32 on megatron (which trains in float32)."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if self.backend == "torch" else "fp32"
 
     @property
     def data_parallel(self) -> int:

@@ -545,7 +545,11 @@ def _run(args: argparse.Namespace) -> int:
     paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
     paths.spec.write_text(dump_spec(spec))
     generation = spec.generation
-    print(f"run folder {paths.root}; generation engine {generation.engine} ({generation.resolved_dtype()})", flush=True)
+    print(
+        f"run folder {paths.root}; generation engine {generation.engine} ({generation.resolved_dtype()}); "
+        f"training precision {spec.training.resolved_precision()} (training.precision {spec.training.precision})",
+        flush=True,
+    )
     print("preparing the initial policy ...", flush=True)
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
     _check_fits_policy(spec, spec_file, paths.initial_policy)

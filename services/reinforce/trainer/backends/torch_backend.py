@@ -1,9 +1,10 @@
 """The torch backend: the policy and its frozen reference as Hugging Face models, AdamW, data parallelism by
 summing gradients over torchrun ranks (trainer/distributed.py).
 
-training.precision bf16: the policy keeps float32 weights (AdamW's master weights, its state float32 too) and runs
-its forward and backward under autocast, so matmuls run in bfloat16 and gradients land in float32; the frozen
-reference is simply a bfloat16 copy. models.response_logprobs takes the log-softmax in float32 either way.
+training.precision bf16 (what auto, the default, resolves to on this backend): the policy keeps float32 weights
+(AdamW's master weights, its state float32 too) and runs its forward and backward under autocast, so matmuls run in
+bfloat16 and gradients land in float32; the frozen reference is simply a bfloat16 copy. models.response_logprobs
+takes the log-softmax in float32 either way.
 
 training.attention auto: short sequences (RL responses to chat prompts: about 80 tokens in the benchmarks) run
 attention as plain matmuls, which on CPU is about twice as fast as torch's flash kernel at that length; long ones
@@ -37,7 +38,7 @@ class TorchBackend(TrainerBackend):
         self.ranks = ranks
         self.policy_dir = policy_dir
         self.policy = load_policy(policy_dir).train()
-        self.compute_dtype = torch.bfloat16 if training.precision == "bf16" else torch.float32
+        self.compute_dtype = torch.bfloat16 if training.resolved_precision() == "bf16" else torch.float32
         self.peft = None
         if training.lora is not None:
             # LoRA: PEFT injects adapters into self.policy in place; the reference is the same model with the
