@@ -26,11 +26,18 @@ import yaml
 from k8s import HELM, KUBECTL, REPO, example_run, single_node, single_node_skip_reason
 from kubernetes import client, config
 from promserver import Prometheus, assert_every_dashboard_query_answers, wait_until_scraped
-from runs import assert_each_step_trained_once, start, wait_for_step, write_spec
+from runs import (
+    BASELINE_TRAINING,
+    assert_each_step_trained_once,
+    max_weight_difference,
+    start,
+    wait_for_step,
+    write_spec,
+)
 
 from generate import crd
 from generate.chart_values import CHART
-from reinforce.core.metrics import read_metrics
+from reinforce.core.metrics import read_metrics, scrape
 from reinforce.core.names import (
     COMPONENT_GENERATOR,
     COMPONENT_REWARD,
@@ -38,8 +45,9 @@ from reinforce.core.names import (
     K8S_COMPONENT_LABEL,
     K8S_INSTANCE_LABEL,
 )
+from reinforce.core.spec import respell
 from reinforce.operator.children import OperatorConfig
-from reinforce.operator.resource import KubernetesSpec
+from reinforce.operator.resource import KubernetesSpec, ReinforceRunSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -166,7 +174,9 @@ def persistent_volumes(cluster: Cluster, run: str) -> dict[str, Path]:
             "metadata": {"name": f"{RUNS}-{claim}"},
             "spec": {
                 "capacity": {"storage": size},
-                "accessModes": ["ReadWriteOnce"],
+                # one node: a hostPath folder serves pods that share it as well as one pod (a run of several
+                # trainer pods claims ReadWriteMany)
+                "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
                 "persistentVolumeReclaimPolicy": "Retain",
                 "hostPath": {"path": str(folder), "type": "Directory"},
                 "claimRef": {"namespace": RUNS, "name": claim},
@@ -381,3 +391,93 @@ def test_kubectl_scale_mid_run_trains_every_step_once(chart_installed: Cluster) 
     assert final["publishedWeightVersion"] == STEPS
     assert_each_step_trained_once(folders["elastic-data"] / "run", STEPS)
     delete_run_and_its_children(cluster, "elastic")
+
+
+def test_two_trainer_pods_one_force_deleted_train_like_one_rank(chart_installed: Cluster, tiny_baseline: Path) -> None:
+    """Issue 26, item 4: `training.numRanks: 2` runs two trainer pods, gloo ranks that meet at torchrun's rendezvous
+    on pod 0, both mounting the run's one data volume, which they claim ReadWriteMany. Trainer pod 1
+    is force-deleted mid-run: both ranks start again from the last checkpoint, and the run ends with the weights of
+    the uninterrupted local one-rank run (two local ranks match it within 1e-5: tests/integration/test_pipeline.py),
+    every step trained once."""
+    cluster = chart_installed
+    folders = persistent_volumes(cluster, "ranks")
+    steps, every = BASELINE_TRAINING["steps"], BASELINE_TRAINING["checkpoint_every"]
+    apply_run(cluster, "ranks", **{"training.steps": steps, "training.checkpointEvery": every, "training.numRanks": 2})
+    core = client.CoreV1Api(cluster.api)
+    status = wait_for_status(cluster, "ranks", lambda s: (s.get("step") or 0) >= every + 2, f"step {every + 2}")
+    pods = core.list_namespaced_pod(RUNS, label_selector=f"{K8S_COMPONENT_LABEL}={COMPONENT_TRAINER}").items
+    assert sorted(p.metadata.name for p in pods) == ["ranks-trainer-0", "ranks-trainer-1"]
+    assert core.read_namespaced_persistent_volume_claim("ranks-data", RUNS).spec.access_modes == ["ReadWriteMany"]
+    uid = core.read_namespaced_pod("ranks-trainer-1", RUNS).metadata.uid
+    cluster.kubectl("-n", RUNS, "delete", "pod", "ranks-trainer-1", "--grace-period=0", "--force")
+    assert (status.get("step") or 0) < steps, "the run ended before its trainer pod could be deleted"
+
+    def replaced(_: dict[str, Any]) -> bool:
+        new = core.list_namespaced_pod(RUNS, field_selector="metadata.name=ranks-trainer-1").items
+        return bool(new) and new[0].metadata.uid != uid and new[0].status.phase == "Running"
+
+    wait_for_status(cluster, "ranks", replaced, "ranks-trainer-1 replaced")
+    final = wait_for_status(cluster, "ranks", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
+    assert final["publishedWeightVersion"] == steps
+    run_dir = folders["ranks-data"] / "run"
+    assert_each_step_trained_once(run_dir, steps)
+    assert max_weight_difference(tiny_baseline, run_dir) < 1e-5
+    delete_run_and_its_children(cluster, "ranks")
+
+
+TOOLS_EXAMPLE = REPO / "examples" / "tiny-tools.yaml"
+TOOLS_PROMPTS_IN_IMAGE = "/opt/reinforce/examples/data/tiny-tools.jsonl"
+# Run in the environment's container (kubectl exec): what model-written code would find there.
+CONFINEMENT_PROBE = """
+import os
+for path in ("/opt/reinforce/probe", "/etc/probe", "/tmp/probe"):
+    try:
+        open(path, "w").close()
+        print("wrote", path)
+    except OSError as err:
+        print("refused", path, err.strerror)
+print("token", os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"))
+# the kubelet always adds the API server's Service (KUBERNETES_SERVICE_*), enableServiceLinks or not
+links = [k for k in os.environ if k.endswith("_SERVICE_HOST") and not k.startswith("KUBERNETES_")]
+print("variables", " ".join(sorted([*links, *(k for k in os.environ if "REINFORCE" in k)])))
+"""
+
+
+def tools_run(name: str) -> dict[str, Any]:
+    """examples/tiny-tools.yaml (multi-turn, the calculator) as ReinforceRun `name`, its prompts the image's copy."""
+    spec = yaml.safe_load(TOOLS_EXAMPLE.read_text())
+    for excluded in crd.EXCLUDED_SPEC_FIELDS:
+        spec.pop(excluded, None)
+    spec["data"]["prompts"] = TOOLS_PROMPTS_IN_IMAGE
+    body = {"metadata": {"name": name}, "spec": respell(spec, ReinforceRunSpec)}
+    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, **body}
+
+
+def test_a_tools_run_trains_in_pods_beside_its_locked_down_environment(chart_installed: Cluster) -> None:
+    """Issue #24: examples/tiny-tools.yaml as a ReinforceRun. The operator adds the environment's Deployment, Service,
+    NetworkPolicy and token; its pod runs on the kubelet with a read-only root (the scratch emptyDir at /tmp its only
+    writable folder), no service-account token and only its own token; the generator's episodes call the calculator
+    through it, and every step trains once."""
+    cluster = chart_installed
+    folders = persistent_volumes(cluster, "tools")
+    run = tools_run("tools")
+    steps = run["spec"]["training"]["steps"]
+    manifest = cluster.volumes / "tools.yaml"
+    manifest.write_text(yaml.safe_dump(run))
+    cluster.kubectl("-n", RUNS, "apply", "-f", str(manifest))
+    wait_for_status(cluster, "tools", lambda s: (s.get("step") or 0) >= 3, "three trained steps")
+    selector = f"{K8S_INSTANCE_LABEL}=tools,{K8S_COMPONENT_LABEL}=environment"
+    [pod] = client.CoreV1Api(cluster.api).list_namespaced_pod(RUNS, label_selector=selector).items
+    assert pod.status.phase == "Running" and pod.spec.automount_service_account_token is False
+    assert pod.spec.containers[0].security_context.read_only_root_filesystem is True
+    probe = cluster.kubectl("-n", RUNS, "exec", pod.metadata.name, "--", "python", "-c", CONFINEMENT_PROBE).stdout
+    lines = probe.splitlines()
+    assert "refused /opt/reinforce/probe Read-only file system" in lines and "wrote /tmp/probe" in lines, probe
+    assert "refused /etc/probe Read-only file system" in lines and "token False" in lines, probe
+    assert "variables REINFORCE_ENVIRONMENT_TOKEN" in lines, probe  # no other secret, no other Service's address
+    metrics = scrape(f"http://127.0.0.1:{PORTS.environment_metrics}/metrics", 5)  # the node's network
+    assert metrics is not None and metrics["reinforce_environment_tool_calls_total"] > 0, metrics
+    final = wait_for_status(cluster, "tools", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
+    assert final["publishedWeightVersion"] == steps
+    assert_each_step_trained_once(folders["tools-data"] / "run", steps)
+    delete_run_and_its_children(cluster, "tools")

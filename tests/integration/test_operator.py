@@ -152,20 +152,21 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
     assert generator["containers"][0]["image"] == "gen:2"
     assert generator["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert objects[("StatefulSet", "tiny-redis")]["spec"]["template"]["spec"]["containers"][0]["image"] == "redis:7.0"
-    # two ranks: one pod each, node rank from the pod's ordinal, rendezvous on pod 0
+    # two ranks: one pod each, meeting at the rendezvous pod 0 hosts; ranks by address, so pod 0 is rank 0
     two_ranks = spec.model_copy(update={"training": spec.training.model_copy(update={"num_ranks": 2})})
     stateful_set = trainer_stateful_set(Run("tiny", "ns", "uid-1", two_ranks, config))
     command = stateful_set["spec"]["template"]["spec"]["containers"][0]["command"]
     assert stateful_set["spec"]["replicas"] == 2 and command[:2] == ["sh", "-c"]
-    assert "--nnodes=2 --nproc-per-node=1 --node-rank=${POD_NAME##*-}" in command[2]
-    assert "--master-addr=tiny-trainer-0.tiny-trainer.ns.svc" in command[2]
+    assert "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-id=tiny-trainer" in command[2]
+    assert "--rdzv-endpoint=tiny-trainer-0.tiny-trainer.ns.svc:29500" in command[2]
+    assert "--local-addr=$POD_NAME.tiny-trainer.ns.svc" in command[2]
     # data x tensor: 4 ranks of tensor_parallel 2 are two pods (replicas), each running its two tensor ranks
     megatron = {"backend": "megatron", "num_ranks": 4, "tensor_parallel": 2}
     tp_spec = spec.model_copy(update={"training": spec.training.model_validate(megatron)})
     stateful_set = trainer_stateful_set(Run("tiny", "ns", "uid-1", tp_spec, config))
     command = stateful_set["spec"]["template"]["spec"]["containers"][0]["command"]
     assert stateful_set["spec"]["replicas"] == 2
-    assert "--nnodes=2 --nproc-per-node=2 --node-rank=${POD_NAME##*-}" in command[2]
+    assert "--nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d" in command[2]
 
 
 @pytest.mark.parametrize(

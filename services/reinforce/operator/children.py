@@ -324,11 +324,17 @@ def secrets_secret(run: Run) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": run.metadata(run.child("secrets")), "stringData": values}
 
 
-def _claim_spec(run: Run, size: str) -> dict[str, Any]:
-    claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+def _claim_spec(run: Run, size: str, access_mode: str = "ReadWriteOnce") -> dict[str, Any]:
+    claim: dict[str, Any] = {"accessModes": [access_mode], "resources": {"requests": {"storage": size}}}
     if run.spec.kubernetes.storage_class:
         claim["storageClassName"] = run.spec.kubernetes.storage_class
     return claim
+
+
+def data_access_mode(run: Run) -> str:
+    """Every trainer pod mounts the run's data volume (the checkpoints are written there, and every rank reads them on
+    resume): several pods, possibly on several nodes, need ReadWriteMany storage (NFS, CephFS, a cloud file store)."""
+    return "ReadWriteMany" if trainer_pods(run.spec.training) > 1 else "ReadWriteOnce"
 
 
 def data_volume(run: Run) -> dict[str, Any]:
@@ -336,7 +342,7 @@ def data_volume(run: Run) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": run.metadata(run.child("data"), "trainer"),
-        "spec": _claim_spec(run, run.spec.kubernetes.storage_size),
+        "spec": _claim_spec(run, run.spec.kubernetes.storage_size, data_access_mode(run)),
     }
 
 
@@ -642,14 +648,23 @@ def trainer_command(run: Run) -> list[str]:
     training = run.spec.training
     if training.num_ranks == 1:
         return trainer
-    # One model replica per pod; the pod's ordinal (the end of its name) is its node rank, so rank 0 is on pod 0,
-    # which serves the weights and the metrics. torchrun numbers a node's processes consecutively: a replica's
-    # tensor-parallel ranks are consecutive global ranks, the layout Megatron and trainer/distributed.py expect.
+    # One model replica per pod, meeting at torchrun's c10d rendezvous, which pod 0's torchrun hosts. A rank that
+    # dies fails its peers' next collective; each pod's torchrun then exits (no restarts of its own), the kubelet
+    # restarts the containers, and all ranks meet again and resume from the last checkpoint. (With the static
+    # rendezvous a replacement pod could join the dying pod 0's store, then wait forever on its successor's.)
+    # Ranks follow the sorted node addresses, so pod 0 is rank 0, which serves the weights and the metrics (on the
+    # node's network every pod's address is the node's: rank 0 is reached there wherever it runs). torchrun numbers
+    # a node's processes consecutively: a replica's tensor-parallel ranks are consecutive global ranks, the layout
+    # Megatron and trainer/distributed.py expect.
+    ordinal = f"${{{POD_NAME_ENV}##*-}}"
     launcher = (
         f"python -m torch.distributed.run --nnodes={trainer_pods(training)} "
-        f"--nproc-per-node={training.tensor_parallel} --node-rank=${{POD_NAME##*-}} "
-        f"--master-addr={trainer_pod_address(run, 0)} --master-port={p.rendezvous}"
+        f"--nproc-per-node={training.tensor_parallel} --rdzv-backend=c10d --rdzv-id={run.child('trainer')} "
+        f"--rdzv-endpoint={trainer_pod_address(run, 0)}:{p.rendezvous} "
+        f"--rdzv-conf=is_host=$([ {ordinal} = 0 ] && echo 1 || echo 0) --max-restarts=0"
     )
+    if not run.host_network:
+        launcher += f" --local-addr=${POD_NAME_ENV}.{run.child('trainer')}.{run.namespace}.svc"
     return ["sh", "-c", f"exec {launcher} -m {' '.join(trainer[2:])}"]
 
 
