@@ -4,7 +4,8 @@ On a real single-node cluster (tests/e2e/k8s-single-node.sh: etcd, API server, c
 and its own dockerd, all on loopback) with the project's images built into that dockerd (scripts/build-images.sh):
 the chart is installed with Helm, so the operator runs as a pod under the chart's RBAC; runs are applied with
 kubectl. The cluster has no kube-proxy and no DNS, so the chart is installed with the host-network profile
-(README "On Kubernetes"), and no volume provisioner, so the test makes a hostPath PersistentVolume for each claim.
+(docs/kubernetes/single-node.md), and no volume provisioner, so the test makes a hostPath PersistentVolume for each
+claim.
 
 Marked ``slow`` and ``cluster``: it needs root, and the first build of the cluster and the images takes minutes.
 """

@@ -493,7 +493,7 @@ class TrainingSpec(_Section):
         "auto",
         description="The torch backend's attention kernel (Hugging Face attn_implementation) for the policy and the "
         "reference. auto: on CPU eager (plain matmuls) for micro-batches padded to at most 256 tokens and sdpa "
-        "beyond, the faster of the two on CPU at each length (the measurements: README, Tests); sdpa on GPU.",
+        "beyond, the faster of the two on CPU at each length; sdpa on GPU.",
     )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")
@@ -541,7 +541,7 @@ class TrainingSpec(_Section):
         gt=0,
         description="A group sampled by the very version being trained whose mean |generator log-prob - trainer "
         "log-prob| exceeds this is refused and counted (`train_rollouts/refused_mismatched_groups`): other weights "
-        "sampled it (README: generation engines, for the engines' usual mismatch).",
+        "sampled it (docs/engines.md, for the engines' usual mismatch).",
     )
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
@@ -915,7 +915,7 @@ def respell(data: Any, model: type[BaseModel], by_alias: bool = True) -> Any:
     camelCase alias (by_alias) or its snake_case name. Keys of map-valued fields (labels, resources, reward.kwargs)
     and keys that are no field are left as they are: validation names those. A field given in both spellings takes
     its snake_case one: a ReinforceRun stored before the CRD was camelCase holds its own values by name and, read
-    through the camelCase CRD, the server's defaults by alias (README: upgrading)."""
+    through the camelCase CRD, the server's defaults by alias (docs/kubernetes/upgrading.md)."""
     if not isinstance(data, dict):
         return data
     fields = {key: (name, field) for name, field in model.model_fields.items() for key in (name, field.alias or name)}
@@ -944,7 +944,7 @@ def _respell_value(value: Any, annotation: Any, by_alias: bool) -> Any:
 
 
 class ReferenceRow(NamedTuple):
-    """One field of a spec reference: the README's tables and the chart's values.yaml are written from these."""
+    """One field of a spec reference: the docs' reference tables and the chart's values.yaml are written from these."""
 
     path: str
     type: str
@@ -953,7 +953,7 @@ class ReferenceRow(NamedTuple):
 
 
 def reference_markdown(model: type[BaseModel] = RunSpec, skip: tuple[str, ...] = (), by_alias: bool = False) -> str:
-    """A spec reference table of the README, generated from the model (tests check the README is current); fields
+    """A spec reference table of the docs, generated from the model (tests check the docs are current); fields
     spelled by name (spec files) or by camelCase alias (Kubernetes objects)."""
     return markdown_table(reference_rows(model, skip, by_alias))
 

@@ -61,7 +61,7 @@ class PodSpec(_Section):
         "volumes; the component's container by its name with env, envFrom, volumeMounts, resources), "
         "strategic-merged over the operator's pod after the shorthands. Fields the run's guarantees rest on "
         "(securityContext, the service account, host namespaces, the run's own volumes, ports, command) are refused "
-        "by name (README: pod templates).",
+        "by name (docs/kubernetes/security.md: pod templates).",
     )
 
     @field_validator("template")
@@ -107,7 +107,7 @@ class KubernetesSpec(_Section):
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         max_length=63,
         description=f"Kueue LocalQueue of the run's namespace: the run's workloads and pods carry the label "
-        f"{KUEUE_QUEUE_LABEL}, and the run is created suspended unless `suspend` is set (README: Kueue).",
+        f"{KUEUE_QUEUE_LABEL}, and the run is created suspended unless `suspend` is set (docs/kubernetes/kueue.md).",
     )
 
 
@@ -134,7 +134,7 @@ class ReinforceRunSpec(RunSpec):
 
 def parse_run_resource(name: str, spec: dict) -> ReinforceRunSpec:
     """Validate a ReinforceRun's spec; errors name `spec.<field>` as `kubectl` shows them."""
-    # respelled first: a run stored before the CRD was camelCase holds both spellings (README: upgrading)
+    # respelled first: a run stored before the CRD was camelCase holds both spellings (docs/kubernetes/upgrading.md)
     try:
         return ReinforceRunSpec.model_validate({**respell(spec, ReinforceRunSpec), "name": name})
     except ValidationError as err:
