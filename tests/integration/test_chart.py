@@ -84,7 +84,7 @@ def test_rendered_objects_validate_and_the_role_is_the_operators() -> None:
     objects = render()
     kinds = sorted(o["kind"] for o in objects)
     dashboards = len(list((CHART / "dashboards").glob("*.json")))
-    assert dashboards == 5  # run overview, generation, reward server, weight sync, PPO
+    assert dashboards == 6  # run overview, generation, reward server, weight sync, PPO, environment
     assert kinds == sorted(
         ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "ServiceAccount"] + ["ConfigMap"] * dashboards
     )
