@@ -283,7 +283,8 @@ def test_lora_refit_equals_a_fresh_engine_and_keeps_one_adapter(
     what a fresh engine that loaded only it samples, and vLLM holds only the current adapter."""
     lora_engine = start(policy, engine.generation, LORA)
     before = lora_engine.sample(PROMPTS, SEEDS)
-    assert before == engine.sample(PROMPTS, SEEDS)  # no adapter: the base model, to the bit
+    base = start(policy, engine.generation)  # not `engine`, which other tests refit
+    assert before == base.sample(PROMPTS, SEEDS)  # no adapter: the base model, to the bit
     trainer = _lora_trainer(policy)
     for version in (1, 2, 3):
         weights = _publish_adapters(trainer, tmp_path / "weights", version)
