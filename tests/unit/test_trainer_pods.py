@@ -71,5 +71,6 @@ def test_pod_0_hosts_the_rendezvous_and_no_torchrun_restarts_its_ranks_itself(pr
     for pod, is_host in (("tiny-trainer-0", "is_host=1"), ("tiny-trainer-1", "is_host=0")):
         shell = subprocess.run(["sh", "-c", printed], env={"POD_NAME": pod}, capture_output=True, text=True)
         assert f"--rdzv-conf={is_host}" in shell.stdout.split(), shell
-        if profile == "standard":  # rank order follows these addresses: pod 0's sorts first
-            assert f"--local-addr={pod}.tiny-trainer.ns.svc" in shell.stdout.split(), shell
+        # rank order follows these addresses: pod 0's sorts first; on the node's network each pod has its own
+        address = f"{pod}.tiny-trainer.ns.svc" if profile == "standard" else f"127.0.0.{1 + int(pod[-1])}"
+        assert f"--local-addr={address}" in shell.stdout.split(), shell

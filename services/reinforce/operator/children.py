@@ -652,10 +652,9 @@ def trainer_command(run: Run) -> list[str]:
     # dies fails its peers' next collective; each pod's torchrun then exits (no restarts of its own), the kubelet
     # restarts the containers, and all ranks meet again and resume from the last checkpoint. (With the static
     # rendezvous a replacement pod could join the dying pod 0's store, then wait forever on its successor's.)
-    # Ranks follow the sorted node addresses, so pod 0 is rank 0, which serves the weights and the metrics (on the
-    # node's network every pod's address is the node's: rank 0 is reached there wherever it runs). torchrun numbers
-    # a node's processes consecutively: a replica's tensor-parallel ranks are consecutive global ranks, the layout
-    # Megatron and trainer/distributed.py expect.
+    # Ranks follow the sorted node addresses (below), so pod 0 is rank 0, which serves the weights and the metrics.
+    # torchrun numbers a node's processes consecutively: a replica's tensor-parallel ranks are consecutive global
+    # ranks, the layout Megatron and trainer/distributed.py expect.
     ordinal = f"${{{POD_NAME_ENV}##*-}}"
     launcher = (
         f"python -m torch.distributed.run --nnodes={trainer_pods(training)} "
@@ -663,8 +662,10 @@ def trainer_command(run: Run) -> list[str]:
         f"--rdzv-endpoint={trainer_pod_address(run, 0)}:{p.rendezvous} "
         f"--rdzv-conf=is_host=$([ {ordinal} = 0 ] && echo 1 || echo 0) --max-restarts=0"
     )
-    if not run.host_network:
-        launcher += f" --local-addr=${POD_NAME_ENV}.{run.child('trainer')}.{run.namespace}.svc"
+    # torchrun tells nodes apart by address and process id. On the node's network the pods share the address and,
+    # each in its own PID namespace, likely the process id too: each pod takes a loopback address of its own.
+    own_address = f"${POD_NAME_ENV}.{run.child('trainer')}.{run.namespace}.svc"
+    launcher += f" --local-addr={f'127.0.0.$((1 + {ordinal}))' if run.host_network else own_address}"
     return ["sh", "-c", f"exec {launcher} -m {' '.join(trainer[2:])}"]
 
 
