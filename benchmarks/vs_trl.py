@@ -503,6 +503,7 @@ def main() -> None:
         if earlier["settings"] != results["settings"]:
             raise SystemExit(f"--append: {args.results} was measured with other settings: {earlier['settings']}")
         runs.extend(earlier["runs"])
+        results["machine"] = earlier["machine"]  # the peaks the earlier rows' shares are of
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
