@@ -8,6 +8,8 @@
 #   reinforce-environment:0.1.0, reinforce-operator:0.1.0
 #                               services/reinforce/<name>/Dockerfile FROM the runtime (CPU variants)
 #   reinforce-redis:0.1.0       Debian's redis-server, standing in for redis:7.0 (which cannot be pulled here)
+#   reinforce-prometheus:0.1.0  Debian's prometheus package on that base (apt from the same mirror), for
+#                               docker-compose.yml's profile `monitoring`
 #
 # Usage: scripts/build-images.sh [build]     build (or bring up to date) every image
 #        scripts/build-images.sh stop-dockerd stop the dockerd this script started, if any
@@ -176,6 +178,21 @@ CMD ["redis-server", "--dir", "/data", "--appendonly", "yes"]
 EOF
 }
 
+build_prometheus() {
+    # Debian's Prometheus (the one the tests run on the host), as the package's non-root `prometheus` user with its
+    # data folder; docker-compose.yml gives it its command and compose/prometheus.yml. The apt lists are fetched for
+    # the install and removed again.
+    build "reinforce-prometheus:$VERSION" - <<EOF
+FROM $BASE_IMAGE
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb
+USER prometheus
+WORKDIR /var/lib/prometheus
+EXPOSE 9090
+CMD ["prometheus", "--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/var/lib/prometheus/metrics2"]
+EOF
+}
+
 check_runtime() {
     local image="reinforce-runtime:$VERSION"
     "$DOCKER" run --rm --network none "$image" python -c \
@@ -206,6 +223,7 @@ main() {
         build "reinforce-$service:$VERSION" -f "$ROOT/services/reinforce/$service/Dockerfile" "$ROOT"
     done
     build_redis
+    build_prometheus
     "$DOCKER" image ls --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' | grep '^reinforce-' | sort >&2
     log "done in ${SECONDS}s"
 }

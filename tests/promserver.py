@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's) for the tests, and the checks every dashboard query must pass against it.
 
-Used by tests/integration/test_dashboards.py (scraping a local run through the supervisor's targets file) and
-tests/e2e/test_cluster_e2e.py (scraping the pods of a single-node cluster through the API server).
+Used by tests/integration/test_dashboards.py (scraping a local run through the supervisor's targets file),
+tests/e2e/test_cluster_e2e.py (scraping the pods of a single-node cluster through the API server) and
+tests/e2e/test_compose.py (the checks only, against docker-compose.yml's own Prometheus).
 """
 
 from __future__ import annotations
@@ -42,7 +43,22 @@ COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONEN
 TOOLS_COMPONENTS = {COMPONENT_TRAINER, COMPONENT_GENERATOR, COMPONENT_REWARD, COMPONENT_ENVIRONMENT}  # a tools run's
 
 
-class Prometheus:
+class PrometheusAPI:
+    """The HTTP API of a Prometheus at `url`: one these tests start, or docker-compose.yml's."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def api(self, path: str, **params: object) -> dict | list:
+        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        return self.api("query", query=expr, time=at)["result"]
+
+
+class Prometheus(PrometheusAPI):
     """Debian's prometheus on a free loopback port, scraping every second, with the alert rules loaded."""
 
     def __init__(self, folder: Path, scrape_configs: list[dict]) -> None:
@@ -52,7 +68,7 @@ class Prometheus:
             "scrape_configs": scrape_configs,
         }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
+        super().__init__(f"http://127.0.0.1:{free_port()}")
         argv = [PROMETHEUS, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
                 f"--web.listen-address={self.url.removeprefix('http://')}"]  # fmt: skip
         self.log = folder / "prometheus.log"
@@ -70,14 +86,6 @@ class Prometheus:
             return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def api(self, path: str, **params: object) -> dict | list:
-        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
-        assert answer["status"] == "success", answer
-        return answer["data"]
-
-    def query(self, expr: str, at: float) -> list[dict]:
-        return self.api("query", query=expr, time=at)["result"]
 
     def stop(self) -> None:
         self.process.terminate()
@@ -119,7 +127,7 @@ def metric_names(expr: str) -> set[str]:
 
 
 def wait_until_scraped(
-    prometheus: Prometheus, run: str, components: set[str], scrapes: int = 3, timeout_s: float = 120
+    prometheus: PrometheusAPI, run: str, components: set[str], scrapes: int = 3, timeout_s: float = 120
 ) -> float:
     """Waits until each instance of the run's `components` answered at least `scrapes` scrapes in the last rate window,
     so that a rate over that window has the two samples it needs; returns that moment (time.time())."""
@@ -148,7 +156,7 @@ def _only_of(expr: str, skipped: set[str]) -> bool:
 
 
 def assert_every_dashboard_query_answers(
-    prometheus: Prometheus, run: str, at: float, skip: frozenset[str] = frozenset()
+    prometheus: PrometheusAPI, run: str, at: float, skip: frozenset[str] = frozenset()
 ) -> int:
     """At time `at` of a healthy running run: every panel query has a finite value, no alert's condition held
     through the last ALERT_HOLD_S seconds,

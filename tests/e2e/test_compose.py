@@ -23,14 +23,18 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import free_port
+from promserver import COMPONENTS as PPO_COMPONENTS
+from promserver import PROMETHEUS, PrometheusAPI, assert_every_dashboard_query_answers, wait_until_scraped
 
 from reinforce.core import launch
 from reinforce.core.metrics import read_metrics
+from reinforce.core.names import COMPONENTS as ALL_COMPONENTS
 from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, WEIGHTS_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+PROMETHEUS_CONFIG = ROOT / "compose" / "prometheus.yml"  # the `prometheus` service's, @RUN@ -> $REINFORCE_RUN
 EXAMPLES = ROOT / "examples"
 SPEC_IN_CONTAINER = "/etc/reinforce/spec.yaml"
 IMAGE_EXAMPLES = "/opt/reinforce/examples"  # where services/reinforce/core/Dockerfile puts examples/
@@ -250,6 +254,92 @@ def test_compose_stack_in_containers_trains_the_tiny_example(tmp_path):
     [summary] = [line for line in stdout.read_text().splitlines() if line.startswith("compose-smoke:")]
     print(summary)
     assert summary.startswith(f"compose-smoke: {steps} steps in "), summary
+
+
+def metrics_ports(services: dict) -> dict[str, int]:
+    """Compose service -> the port its command serves /metrics on (Triton's --metrics-port, the trainer's
+    --metrics-port, else the service's one --port)."""
+    ports = {}
+    for name in COMPONENTS:
+        command = services[name]["command"]
+        flag = "--metrics-port" if "--metrics-port" in command else "--port"
+        ports[name] = int(command[command.index(flag) + 1])
+    return ports
+
+
+def test_compose_prometheus_scrapes_every_service_at_its_metrics_port():
+    """compose/prometheus.yml: one job per service that exports metrics, named as the service (its DNS name, its
+    `instance` label, and before the first '-' its `component`), at the port the service's command serves."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    jobs = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+    found = {}
+    for job in jobs:
+        [sd] = job["dns_sd_configs"]
+        assert sd["names"] == [job["job_name"]] and sd["type"] == "A", job
+        found[job["job_name"]] = sd["port"]
+    assert found == metrics_ports(services)
+    assert {name.split("-")[0] for name in found} <= set(ALL_COMPONENTS)
+    assert "@RUN@" in services["prometheus"]["command"][2] and "$$REINFORCE_RUN" in services["prometheus"]["command"][2]
+
+
+def test_compose_prometheus_config_passes_promtool(tmp_path):
+    """The config as the container writes it (run name substituted, the rules file at the path it is mounted on)."""
+    rules = yaml.safe_load(COMPOSE.read_text())["services"]["prometheus"]["volumes"][1].split(":")
+    text = PROMETHEUS_CONFIG.read_text().replace("@RUN@", "tiny").replace(rules[1], str(ROOT / rules[0]))
+    (tmp_path / "prometheus.yml").write_text(text)
+    promtool = Path(PROMETHEUS).with_name("promtool")
+    result = subprocess.run([promtool, "check", "config", tmp_path / "prometheus.yml"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout
+
+
+@needs_compose
+@pytest.mark.slow
+@pytest.mark.docker
+def test_compose_prometheus_answers_the_ppo_dashboard(tmp_path):
+    """Issue #28, item 4: the stack with profiles ppo and monitoring, in containers, on a longer tiny-ppo: while it
+    trains, its own Prometheus (published on a free host port) answers every panel query of every dashboard but the
+    environment's, sees each service up, and has the chart's alert rules loaded and healthy."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: scripts/build-images.sh runs debootstrap and dockerd")
+    build = ["bash", str(ROOT / "scripts" / "build-images.sh")]
+    with (tmp_path / "build.log").open("w") as log:
+        built = subprocess.run(build, stdout=log, stderr=log, timeout=1800)
+    assert built.returncode == 0, (tmp_path / "build.log").read_text()[-3000:]
+    spec = yaml.safe_load((EXAMPLES / "compose-ppo.yaml").read_text())
+    spec["training"].update(steps=500, checkpoint_every=500)  # still training when checked; `down` ends it
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    port = free_port()
+    env = {**os.environ, "REINFORCE_SPEC": str(tmp_path / "spec.yaml"), "REINFORCE_RUN": spec["name"],
+           "REINFORCE_PROMETHEUS_PORT": str(port)}  # fmt: skip
+    if subprocess.run(["docker", "image", "inspect", "redis:7.0"], capture_output=True).returncode != 0:
+        env["REINFORCE_REDIS_IMAGE"] = "reinforce-redis:0.1.0"  # build-images.sh's, where none can be pulled
+    compose = [DOCKER_COMPOSE, "--project-name", "reinforce-prometheus-test", "--file", str(COMPOSE),
+               "--profile", "ppo", "--profile", "monitoring"]  # fmt: skip
+    subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)  # what an interrupted run left
+    try:
+        up = subprocess.run([*compose, "up", "--detach"], env=env, capture_output=True, text=True, timeout=600)
+        assert up.returncode == 0, up.stderr[-3000:]
+        prometheus = PrometheusAPI(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 300
+        while not prometheus.query(f'reinforce_trainer_step{{run="{spec["name"]}"}} >= 5', time.time()):
+            if time.monotonic() > deadline:
+                logs = subprocess.run([*compose, "logs", "--tail", "30"], env=env, capture_output=True, text=True)
+                pytest.fail(f"the trainer did not reach step 5 in 300 s:\n{logs.stdout[-5000:]}")
+            time.sleep(2)
+        at = wait_until_scraped(prometheus, spec["name"], PPO_COMPONENTS)
+        time.sleep(3)  # the scrapes up to `at` are stored
+        up_series = prometheus.query(f'up{{run="{spec["name"]}"}}', at)
+        names = assert_every_dashboard_query_answers(prometheus, spec["name"], at, skip=frozenset({"environment.json"}))
+        rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+    finally:
+        subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True, timeout=300)
+    instances = {("reward", "reward"), ("critic", "critic"), ("generator", "generator-0"), ("trainer", "trainer")}
+    assert {(r["metric"]["component"], r["metric"]["instance"], r["value"][1]) for r in up_series} == {
+        (*instance, "1") for instance in instances
+    }
+    assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    print(f"compose Prometheus: {names} metric names of the PPO run checked")
 
 
 def processes_holding(*files: Path) -> list[str]:
