@@ -27,6 +27,7 @@ import pytest
 import yaml
 from k8s import example_run
 
+import reinforce
 from reinforce.core.environment_api import EPISODES_PATH, step_path
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV, READY_PATH
 from reinforce.operator.children import OperatorConfig, Run, environment_deployment
@@ -72,6 +73,10 @@ def confined_service(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
     [scratch] = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "scratch"]
     size = next(v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "scratch")
     assert size == SCRATCH_SIZE
+    # the tmpfs over the scratch path would hide this checkout and its venv too (e.g. a clone under /tmp)
+    hidden = [p for p in (Path(sys.prefix), Path(reinforce.__file__)) if p.resolve().is_relative_to(scratch)]
+    if hidden:
+        pytest.skip(f"{hidden[0]} lies under the pod's scratch mount {scratch}, which the confinement covers")
     # the spec the ConfigMap would mount, readable by the pod's user and outside the scratch mount (/tmp), which
     # hides what was there; the run folder does not exist in the pod
     config_map = Path(tempfile.mkdtemp(prefix="reinforce-confinement-", dir="/var/tmp"))
