@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
+import yaml
 from runs import (
     BASELINE_TRAINING,
     MEGATRON_TP2,
@@ -27,6 +29,7 @@ from runs import (
 )
 
 from reinforce.core.metrics import read_metrics
+from reinforce.core.queue import GENERATORS_GROUP, RolloutQueue
 from reinforce.core.run_dir import RunPaths
 
 pytestmark = pytest.mark.slow
@@ -40,6 +43,31 @@ def kill_mid_run(proc, run_dir: Path, pid_of, step: int | None = None) -> int:
     wait_for_step(proc, run_dir, step)
     os.kill(pid_of(), signal.SIGKILL)
     return step
+
+
+def held_prompts(run_dir: Path, consumer: str) -> int:
+    """Prompts `consumer` has read and not acknowledged (its pending entries in the run's Redis)."""
+    config = dict(line.split(maxsplit=1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())
+    name = yaml.safe_load((run_dir / "spec.yaml").read_text())["name"]
+    with redis.Redis(port=int(config["port"]), password=config["requirepass"]) as client:
+        prompts = RolloutQueue(client, name).prompts_key
+        return len(client.xpending_range(prompts, GENERATORS_GROUP, "-", "+", 1000, consumername=consumer))
+
+
+def kill_holding_prompts(proc, run_dir: Path, generator: str) -> None:
+    """SIGKILL `generator` mid-run at a moment it holds prompts, which another generator must then reclaim. Frozen
+    (SIGSTOP) while its pending entries are counted, so it cannot acknowledge them between the count and the kill."""
+    wait_for_step(proc, run_dir, random.Random(os.getpid()).randint(2, STEPS - 3))
+    [pid] = service_pids(run_dir, name=f"--id {generator}")
+    deadline = time.monotonic() + 120
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        if held_prompts(run_dir, generator):
+            os.kill(pid, signal.SIGKILL)
+            return
+        os.kill(pid, signal.SIGCONT)
+        assert proc.poll() is None and time.monotonic() < deadline, f"{generator} never held a prompt"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +121,7 @@ def test_killed_generator_prompts_are_reclaimed_by_the_other(tmp_path, engine):
     ))  # fmt: skip
     proc = start("run", str(spec))
     run_dir = tmp_path / "run"
-    kill_mid_run(proc, run_dir, lambda: service_pids(run_dir, name="--id generator-1")[0])
+    kill_holding_prompts(proc, run_dir, "generator-1")
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "reclaimed" in (RunPaths(run_dir).logs / "generator-0.log").read_text()
