@@ -4,18 +4,19 @@ seed, across epochs and from a checkpointed cursor."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from runs import BASELINE_TRAINING, max_weight_difference, reinforce, write_spec
 
-from reinforce.core.data import DataError, PromptCursor, read_prompt_file
+from reinforce.core.data import DataError, PromptCursor, prompt_answer, read_prompt_file
 from reinforce.core.models import encode_prompt_checked, load_tokenizer, materialize_policy
-from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.spec import DataSpec, RunSpec, load_spec
 
 pytest.importorskip("nvidia.dali")
 
-from reinforce.core.dali_prompts import DaliPromptCursor
+from reinforce.core.dali_prompts import DaliPromptCursor, write_shards
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,22 @@ def test_shards_split_every_epoch_between_them(sharded) -> None:
     parts = [r.take_encoded(r.epoch_size).prompts for r in readers]
     whole = _dali_cursor(spec, shards).take_encoded(readers[0].epoch_size + readers[1].epoch_size).prompts
     assert parts[0] + parts[1] == whole  # each shard reads its contiguous part of the epoch's order
+
+
+def test_prompts_carry_their_reference_answer_through_the_shards(tmp_path) -> None:
+    """A record's `answer` (math_answer's reference) reaches the trainer from the shards as from the file, and a
+    record without one has none."""
+    prompts_file = tmp_path / "answers.jsonl"
+    records = [{"prompt": f"{i}+{i}", "answer": 2 * i} for i in range(5)] + [{"prompt": "no answer"}]
+    prompts_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prompts = read_prompt_file(prompts_file).prompts
+    data = DataSpec(prompts=str(tmp_path / "shards"), chat_template=False)
+    write_shards(prompts, lambda text: ([ord(c) for c in text], False), data, tmp_path / "shards")
+    dali = DaliPromptCursor(tmp_path / "shards", seed=1, shuffle=False, data=data)
+    texts = [text for text, _ in dali.take_encoded(len(records)).prompts]
+    assert texts == [r["prompt"] for r in records]
+    assert [prompt_answer(t) for t in texts] == ["0", "2", "4", "6", "8", ""]
+    assert [prompt_answer(t) for t in texts] == [prompt_answer(p) for p in prompts]
 
 
 def test_shards_made_with_other_tokenization_are_refused(sharded) -> None:

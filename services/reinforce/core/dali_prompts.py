@@ -5,7 +5,8 @@ loader would (chat template, system prompt, max_prompt_tokens, on_long_prompt), 
 
     OUT_DIR/
         00000000.npy ...   one int32 array of token ids per prompt, in file order
-        prompts.jsonl      {"text": ...} per prompt, same order: the text the reward server scores
+        prompts.jsonl      {"text": ...} per prompt, same order: the text the reward server scores, and its
+                           record's reference answer ({"text": ..., "answer": ...}) where it had one
         index.json         count, the prompt file's fingerprint, the tokenization settings it was made with
 
 :class:`DaliPromptCursor` walks those shards epoch after epoch in the default loader's seeded order
@@ -28,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from reinforce.core.data import (
+    ANSWER_FIELD,
+    AnsweredPrompt,
     DataError,
     EncodedPrompts,
     Encoder,
@@ -64,7 +67,7 @@ def write_shards(prompts: list[str], encode: Encoder, data: DataSpec, out_dir: P
         texts.append(text)
     if not texts:
         raise DataError(f"all {len(prompts)} prompts are longer than data.max_prompt_tokens")
-    (out_dir / TEXTS).write_text("".join(json.dumps({"text": str(t)}) + "\n" for t in texts))
+    (out_dir / TEXTS).write_text("".join(json.dumps(_text_record(t)) + "\n" for t in texts))
     index = {
         "format": FORMAT,
         "count": len(texts),
@@ -75,6 +78,19 @@ def write_shards(prompts: list[str], encode: Encoder, data: DataSpec, out_dir: P
     }
     (out_dir / INDEX).write_text(json.dumps(index, indent=1))
     return index
+
+
+def _text_record(prompt: str) -> dict[str, str]:
+    """A prompt's line of prompts.jsonl: its text, and its reference answer when its record had one."""
+    record = {"text": str(prompt)}
+    if hasattr(prompt, "answer"):  # AnsweredPrompt, ChatPrompt: the answer travels to the reward server
+        record[ANSWER_FIELD] = prompt.answer
+    return record
+
+
+def _prompt(record: dict[str, str]) -> str:
+    """The prompt of a prompts.jsonl line, carrying its answer (data.prompt_answer reads it) when it has one."""
+    return AnsweredPrompt(record["text"], record[ANSWER_FIELD]) if ANSWER_FIELD in record else record["text"]
 
 
 class DaliPromptCursor:
@@ -93,7 +109,7 @@ class DaliPromptCursor:
     ) -> None:
         self.folder = Path(folder)
         self.index_record = read_shard_index(self.folder, data)
-        self.texts = [json.loads(line)["text"] for line in (self.folder / TEXTS).read_text().splitlines()]
+        self.texts = [_prompt(json.loads(line)) for line in (self.folder / TEXTS).read_text().splitlines()]
         self.seed, self.shuffle, self.data = seed, shuffle, data
         self.shard_id, self.num_shards = shard_id, num_shards
         self.epoch, self.index = 0, 0
