@@ -247,11 +247,12 @@ def test_ppo_actor_averages_over_properly_ended_responses_by_default(policy_dir:
 
 
 def test_ppo_actor_gets_no_gradient_when_no_response_ended(policy_dir: Path) -> None:
+    """With an entropy bonus: the entropy averages over the same mask as L_clip (NeMo-Aligner's actor)."""
     batch = step_batch()
     batch.is_end[:] = False
     grad_norms = {}
     for loss_mask in ("ended", "all"):
-        spec = spec_with({"name": "ppo", "ppo_loss_mask": loss_mask})
+        spec = spec_with({"name": "ppo", "ppo_loss_mask": loss_mask, "entropy_bonus": 0.01})
         ppo = PPO(spec, Ranks(), MemoryCritic())  # type: ignore[arg-type]
         ppo.restore(0)
         grad_norms[loss_mask] = ppo.update(batch, TorchBackend(spec.training, policy_dir, Ranks()), version=0)[
