@@ -18,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import generate_latest
 from transformers import PreTrainedModel
 
+from reinforce.core.generator_api import HEALTH_PATH, METRICS_PATH, READY_PATH, WEIGHTS_PATH
 from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, WeightVersion
@@ -94,22 +95,22 @@ def publish_in_run(gen: Generator, model: torch.nn.Module, version: int) -> Weig
 
 def post(http: TestClient, weights: WeightVersion) -> None:
     """POST a version as the supervisor's reconciler does (proto3 JSON) and expect it accepted."""
-    reply = http.post("/v1/weights", json=MessageToDict(weights), headers=AUTH)
+    reply = http.post(WEIGHTS_PATH, json=MessageToDict(weights), headers=AUTH)
     assert reply.status_code == 202, reply.text
     assert reply.json() == {"accepted_version": weights.version}
 
 
 def weights_status(http: TestClient) -> dict:
-    reply = http.get("/v1/weights", headers=AUTH)
+    reply = http.get(WEIGHTS_PATH, headers=AUTH)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def test_probes_and_metrics_are_open(http: TestClient) -> None:
-    assert http.get("/healthz").json() == {"ok": True}
-    ready = http.get("/readyz")
+    assert http.get(HEALTH_PATH).json() == {"ok": True}
+    ready = http.get(READY_PATH)
     assert ready.status_code == 200 and ready.json() == {"ready": True, "weight_version": 0}
-    metrics = http.get("/metrics")
+    metrics = http.get(METRICS_PATH)
     assert metrics.status_code == 200
     assert "reinforce_generator_weight_version 0.0" in metrics.text
 
@@ -125,9 +126,9 @@ def test_probes_and_metrics_are_open(http: TestClient) -> None:
     ],
 )
 def test_weight_endpoints_refuse_a_missing_or_wrong_token(http: TestClient, gen: Generator, headers: dict) -> None:
-    assert http.get("/v1/weights", headers=headers).status_code == 401
+    assert http.get(WEIGHTS_PATH, headers=headers).status_code == 401
     body = MessageToDict(WeightVersion(version=3, uri="/nowhere", sha256="00"))
-    assert http.post("/v1/weights", json=body, headers=headers).status_code == 401
+    assert http.post(WEIGHTS_PATH, json=body, headers=headers).status_code == 401
     assert gen.weights.desired is None  # a refused request changes nothing
 
 
@@ -141,7 +142,7 @@ def test_posted_version_is_loaded(http: TestClient, gen: Generator, spec: RunSpe
     gen.apply_desired_weights()
     assert weights_status(http) == {"loaded_version": 1, "loads": 1, "desired_version": 1, "last_error": ""}
     assert same_weights(gen.engine.model, state(trained))
-    assert "reinforce_generator_weight_version 1.0" in http.get("/metrics").text
+    assert "reinforce_generator_weight_version 1.0" in http.get(METRICS_PATH).text
 
 
 def test_corrupted_weight_file_is_refused(http: TestClient, gen: Generator, spec: RunSpec) -> None:
@@ -188,14 +189,14 @@ def test_rollback_to_an_older_version(http: TestClient, gen: Generator, spec: Ru
     ],
 )
 def test_a_body_that_is_not_a_weight_version_is_422(http: TestClient, gen: Generator, body: object) -> None:
-    reply = http.post("/v1/weights", json=body, headers=AUTH)
+    reply = http.post(WEIGHTS_PATH, json=body, headers=AUTH)
     assert reply.status_code == 422, reply.text
     assert gen.weights.desired is None
 
 
 def test_a_body_that_is_not_json_is_422(http: TestClient, gen: Generator) -> None:
     headers = {**AUTH, "Content-Type": "application/json"}
-    assert http.post("/v1/weights", content=b"{not json", headers=headers).status_code == 422
+    assert http.post(WEIGHTS_PATH, content=b"{not json", headers=headers).status_code == 422
     assert gen.weights.desired is None
 
 
@@ -227,8 +228,8 @@ def test_a_forged_version_is_refused_and_the_real_one_still_loads(
     forged = publish(perturbed_policy(spec, seed=66), weights_dir, version=2)  # written, never announced
     forged_same_version = publish(perturbed_policy(spec, seed=67), weights_dir / "forged", version=1)
     for attempt in (forged, forged_same_version):
-        reply = http.post("/v1/weights", json=MessageToDict(attempt), headers=AUTH)
-        assert reply.status_code == 409 and "not the run's published weight version" in reply.json()["error"]
+        reply = http.post(WEIGHTS_PATH, json=MessageToDict(attempt), headers=AUTH)
+        assert reply.status_code == 409 and "not the run's published weight version" in reply.json()["detail"]
     assert gen.weights.desired.version == 1  # the genuine request stands
     real = publish_in_run(gen, perturbed_policy(spec, seed=2), version=2)  # the trainer's v2 overwrites the file
     post(http, real)
@@ -269,7 +270,7 @@ async def _asgi_post(app: object, headers: list[tuple[bytes, bytes]], chunks: li
 
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/weights", "raw_path": b"/v1/weights", "query_string": b"", "root_path": "",
+        "path": WEIGHTS_PATH, "raw_path": WEIGHTS_PATH.encode(), "query_string": b"", "root_path": "",
         "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
     }  # fmt: skip
     await app(scope, receive, send)  # type: ignore[operator]
@@ -331,8 +332,8 @@ def test_garbage_in_the_published_weights_key_is_waited_out_like_an_outage(
     entries = [("1-0", Prompt(id="1-0", step=0, policy_version=0, token_ids=[1]))]
     assert gen.split_by_version(entries) == ([], entries)  # held, not sampled and not acknowledged as stale
     body = MessageToDict(WeightVersion(version=1, uri="/nowhere", sha256="0" * 64))
-    reply = http.post("/v1/weights", json=body, headers=AUTH)
-    assert reply.status_code == 409 and gen.queue.weights_key in reply.json()["error"], reply.text
+    reply = http.post(WEIGHTS_PATH, json=body, headers=AUTH)
+    assert reply.status_code == 409 and gen.queue.weights_key in reply.json()["detail"], reply.text
     metrics = generate_latest(gen.metrics.registry).decode()
     assert "reinforce_generator_unreadable_weight_records_total 2.0" in metrics
     assert trainer_queue.restore_published_weights() and not trainer_queue.restore_published_weights()

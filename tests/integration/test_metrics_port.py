@@ -15,6 +15,7 @@ from conftest import free_port
 from runs import write_spec
 
 from reinforce.core import launch
+from reinforce.core.generator_api import WEIGHTS_PATH
 from reinforce.core.names import CONTROL_TOKEN_ENV, REDIS_URL_ENV
 
 TOKEN = "metrics-port-test-token"
@@ -47,9 +48,9 @@ def test_a_generator_serves_its_metrics_on_their_own_port_and_nothing_else_there
         assert scraped.status_code == 200 and "reinforce_generator_weight_version" in scraped.text
         # the weight endpoint is the control port's alone
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        posted = httpx.post(f"http://127.0.0.1:{metrics}/v1/weights", json={"version": 1}, headers=auth, timeout=2)
+        posted = httpx.post(f"http://127.0.0.1:{metrics}{WEIGHTS_PATH}", json={"version": 1}, headers=auth, timeout=2)
         assert posted.status_code >= 400
-        assert httpx.get(f"http://127.0.0.1:{control}/v1/weights", headers=auth, timeout=2).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{control}{WEIGHTS_PATH}", headers=auth, timeout=2).status_code == 200
     finally:
         proc.kill()  # the test needs no orderly stop
         proc.wait(timeout=30)

@@ -1,5 +1,5 @@
 """The layout's rules: a service imports `reinforce.core` and itself, never another service; core imports none; and
-core holds only what two or more services use (issue 23, item 1)."""
+core holds only what two or more services or other core modules use (issue 23, item 1)."""
 
 from __future__ import annotations
 
@@ -53,14 +53,17 @@ def test_core_imports_no_service():
 
 @functools.cache
 def core_users() -> dict[str, set[str]]:
-    """core module -> the services that import it (`from reinforce.core import x` counts as a use of x)."""
+    """core module -> its users: the services that import it, and the other core modules that do ("core.NAME"): a
+    contract the weight reconciler (core/rollout.py) speaks is used by the supervisor and the operator, which run it.
+    `from reinforce.core import x` counts as a use of x."""
     users: dict[str, set[str]] = {}
-    for service in SERVICES:
-        for source in (PACKAGE / service).rglob("*.py"):
-            for module in imported_modules(source, with_names=True):
-                parts = module.split(".")
-                if parts[:2] == ["reinforce", "core"] and len(parts) > 2:
-                    users.setdefault(parts[2], set()).add(service)
+    sources = [(service, source) for service in SERVICES for source in (PACKAGE / service).rglob("*.py")]
+    sources += [(f"core.{source.stem}", source) for source in (PACKAGE / "core").glob("*.py")]
+    for user, source in sources:
+        for module in imported_modules(source, with_names=True):
+            parts = module.split(".")
+            if parts[:2] == ["reinforce", "core"] and len(parts) > 2 and user != f"core.{parts[2]}":
+                users.setdefault(parts[2], set()).add(user)
     return users
 
 
@@ -70,7 +73,6 @@ CORE_MODULES = sorted(p.stem for p in (PACKAGE / "core").glob("*.py") if p.stem 
 ONE_USER = {
     "reward_client": "the generator's client of the reward server (generator/worker.py)",
     "environment_client": "the generator's client of the environment service (generator/worker.py, episodes.py)",
-    "relay": "the generators' weight relay (generator/worker.py)",
 }
 
 

@@ -20,8 +20,9 @@ from google.protobuf.json_format import ParseError
 from safetensors.torch import load_file
 
 from reinforce.core import weights as weights_module
+from reinforce.core.generator_api import load_request_json, parse_load_request
 from reinforce.core.records_pb2 import WeightVersion
-from reinforce.core.relay import Relay, load_request_json, parse_load_request, plan_relay
+from reinforce.core.relay import Relay, plan_relay
 from reinforce.core.weights import (
     MAX_CHUNKS,
     MIN_CHUNK_BYTES,

@@ -2,7 +2,8 @@
 
 The weight reconciler plans a tree of fan-out `weights.relay_fanout` over the generators it sees (1: a chain;
 plan_relay) and tells each generator, in its load request, the relay addresses of its ancestors, nearest first
-(load_request_json: a WeightVersion plus "relaySources"; a plain WeightVersion still means a direct fetch).
+(core/generator_api.py's load_request_json: a WeightVersion plus "relaySources"; a plain WeightVersion still means a
+direct fetch).
 A generator's Relay fetches the version from the nearest ancestor, checks each chunk against the published record's
 chunk_sha256 and only then appends it to the file that its own relay endpoint serves to its successors, while the rest
 is still arriving. A source that fails, refuses, sends a wrong chunk or nothing for `stall_s` is left for the next
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import httpx
-from google.protobuf.json_format import MessageToDict, ParseDict
 
 from reinforce.core import weights as weight_files
 from reinforce.core.names import LOCAL_HOST
@@ -53,9 +52,6 @@ from reinforce.core.weights import (
 
 log = logging.getLogger(__name__)
 
-RELAY_SOURCES_FIELD = "relaySources"  # the load request's extra field: the ancestors' relay base urls
-MAX_RELAY_SOURCES = 64
-_RELAY_URL = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 # How long a relay answers a request for a version it has not begun: its own load request may arrive a moment
 # after its successor's.
 BEGIN_WAIT_S = 5.0
@@ -77,36 +73,6 @@ def plan_relay(relays: dict[str, str], fanout: int, first: Iterable[str] = ()) -
             ancestors.append(relays[order[parent]])
         plan[name] = ancestors
     return plan
-
-
-def load_request_json(weights: WeightVersion, ancestors: list[str] | None = None) -> dict:
-    """The body of a generator's POST /v1/weights: the WeightVersion (proto3 JSON), plus its ancestors' relay urls
-    when the version is relayed. The chunk digests stay out: a generator takes them from the published record in
-    Redis (whatever the model's size, the body stays small), and one of an earlier release refuses unknown fields."""
-    body = MessageToDict(weights, always_print_fields_with_no_presence=True)
-    body.pop("chunkBytes", None)
-    body.pop("chunkSha256", None)
-    if ancestors is not None:
-        body[RELAY_SOURCES_FIELD] = ancestors
-    return body
-
-
-def parse_load_request(body: object) -> tuple[WeightVersion, list[str] | None]:
-    """(the posted WeightVersion, its ancestors' relay urls or None for a direct fetch); ValueError or ParseError
-    for anything else."""
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    fields = dict(body)
-    ancestors = fields.pop(RELAY_SOURCES_FIELD, None)
-    weights = ParseDict(fields, WeightVersion())
-    if ancestors is None:
-        return weights, None
-    if not isinstance(ancestors, list) or len(ancestors) > MAX_RELAY_SOURCES:
-        raise ValueError(f"{RELAY_SOURCES_FIELD}: a list of at most {MAX_RELAY_SOURCES} relay urls")
-    for url in ancestors:
-        if not isinstance(url, str) or not _RELAY_URL.fullmatch(url):
-            raise ValueError(f"{RELAY_SOURCES_FIELD}: {url!r} is not a relay url http(s)://HOST:PORT")
-    return weights, ancestors
 
 
 def _same_record(a: WeightVersion, b: WeightVersion) -> bool:

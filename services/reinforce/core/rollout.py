@@ -21,11 +21,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import redis
+from pydantic import ValidationError
 
+from reinforce.core import generator_api as api
 from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import WeightVersion
-from reinforce.core.relay import load_request_json, plan_relay
+from reinforce.core.relay import plan_relay
 from reinforce.core.spec import WeightsSpec
 
 log = logging.getLogger("reinforce.rollout")
@@ -117,21 +119,21 @@ class WeightReconciler:
 
     def _status(self, name: str, url: str) -> GeneratorWeights:
         try:
-            body = self.client.get(f"{url}/v1/weights").raise_for_status().json()
-        except httpx.HTTPError:
+            reply = self.client.get(f"{url}{api.WEIGHTS_PATH}").raise_for_status()
+            status = api.WeightsStatus.model_validate_json(reply.content)
+        except (httpx.HTTPError, ValidationError):  # an answer of another shape is no answer
             return GeneratorWeights(name, None)
-        port = body.get("relay_port")
+        port = status.relay_port
         # a generator relays at its control address's host (its pod IP), on a port of its own
         relay_url = f"{urlsplit(url).scheme}://{urlsplit(url).netloc.rpartition(':')[0]}:{port}" if port else None
         return GeneratorWeights(
-            name, body["loaded_version"], body.get("last_error", ""), body.get("loads", 0),
-            relay_url, body.get("relay_version"),
-        )  # fmt: skip
+            name, status.loaded_version, status.last_error, status.loads, relay_url, status.relay_version
+        )
 
     def _push(self, name: str, url: str, weights: WeightVersion, relay_sources: list[str] | None) -> None:
-        body = load_request_json(weights, relay_sources)
+        body = api.load_request_json(weights, relay_sources)
         try:
-            self.client.post(f"{url}/v1/weights", json=body).raise_for_status()
+            self.client.post(f"{url}{api.WEIGHTS_PATH}", json=body).raise_for_status()
         except httpx.HTTPError as err:
             log.warning("generator %s: cannot request weight version %d: %s", name, weights.version, err)
 

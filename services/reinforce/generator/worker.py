@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 from google.protobuf.json_format import ParseError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 from transformers import AutoConfig
 
+from reinforce.core import generator_api as api
 from reinforce.core.bearer import bearer_dependency, read_capped
 from reinforce.core.environment_client import EnvironmentServiceError
 from reinforce.core.metrics import GeneratorMetrics
@@ -50,7 +50,7 @@ from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
-from reinforce.core.relay import Relay, parse_load_request
+from reinforce.core.relay import Relay
 from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
@@ -62,8 +62,6 @@ from reinforce.generator.engines.common import eos_token_ids
 from reinforce.generator.episodes import Episode, EpisodeRunner, ObservationFormat
 
 log = logging.getLogger("reinforce.generator")
-# A WeightVersion's JSON is a few hundred bytes; anything much larger is refused (413) before it is read.
-MAX_CONTROL_BODY_BYTES = 64 * 1024
 ENVIRONMENT_RETRY_S = 1.0  # after the environment service failed a batch, before it is sampled again
 # Reclaim passes come at least this often: prompts a stopping generator handed back are taken within a second.
 RECLAIM_EVERY_S = 1.0
@@ -383,60 +381,54 @@ def _split_by_sampling(entries: list[tuple[str, Prompt]]) -> list[list[tuple[str
 
 
 def control_plane(gen: Generator, token: str) -> FastAPI:
-    """Probes and metrics are open; the weight endpoints demand `Authorization: Bearer <token>`."""
+    """Probes and metrics are open; the weight endpoints demand `Authorization: Bearer <token>`. Paths and bodies:
+    core/generator_api.py."""
     app = FastAPI(title=f"reinforce generator {gen.name}")
     authorized = bearer_dependency(token, "control token")
 
-    @app.get("/healthz")
-    def healthz() -> dict:
-        return {"ok": True}
+    @app.get(api.HEALTH_PATH)
+    def healthz() -> api.Health:
+        return api.Health(ok=True)
 
-    @app.get("/readyz")
-    def readyz(response: Response) -> dict:
+    @app.get(api.READY_PATH)
+    def readyz(response: Response) -> api.Readiness:
         ready = not gen.stopping.is_set()
         response.status_code = 200 if ready else 503
-        return {"ready": ready, "weight_version": gen.weights.loaded}
+        return api.Readiness(ready=ready, weight_version=gen.weights.loaded)
 
-    @app.get("/metrics")
+    @app.get(api.METRICS_PATH)
     def metrics() -> Response:
         return Response(generate_latest(gen.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/weights", dependencies=[Depends(authorized)])
-    def get_weights() -> dict:
+    # the relay fields only from a generator that relays: a caller of an earlier release expects none
+    @app.get(api.WEIGHTS_PATH, dependencies=[Depends(authorized)], response_model_exclude_unset=True)
+    def get_weights() -> api.WeightsStatus:
         with gen.weights.lock:
             desired = gen.weights.desired.version if gen.weights.desired else None
-            body = {
-                "loaded_version": gen.weights.loaded,
-                "loads": gen.weights.loads,
-                "desired_version": desired,
-                "last_error": gen.weights.last_error,
-            }
+            status = {"loaded_version": gen.weights.loaded, "loads": gen.weights.loads, "desired_version": desired}
+            status["last_error"] = gen.weights.last_error
         if gen.relay is not None:  # where other generators fetch from this one (at its control address's host)
-            body.update(relay_port=gen.relay.port, relay_version=gen.relay.held_version())
-        return body
+            status.update(relay_port=gen.relay.port, relay_version=gen.relay.held_version())
+        return api.WeightsStatus(**status)
 
     # The body is read by hand, after `authorized` ran (FastAPI would parse a declared body parameter first),
     # and at most MAX_CONTROL_BODY_BYTES of it: no unauthenticated or oversized body is ever held in memory.
-    @app.post("/v1/weights", status_code=202, dependencies=[Depends(authorized)])
-    async def post_weights(request: Request) -> Response:
-        body = await read_capped(request, MAX_CONTROL_BODY_BYTES)
+    @app.post(api.WEIGHTS_PATH, status_code=202, dependencies=[Depends(authorized)])
+    async def post_weights(request: Request) -> api.LoadAccepted:
+        body = await read_capped(request, api.MAX_CONTROL_BODY_BYTES)
         if body is None:
-            return _error(413, f"a WeightVersion body is at most {MAX_CONTROL_BODY_BYTES} bytes")
+            raise HTTPException(413, f"a WeightVersion body is at most {api.MAX_CONTROL_BODY_BYTES} bytes")
         try:
-            weights, relay_sources = parse_load_request(json.loads(body))
+            weights, relay_sources = api.parse_load_request(json.loads(body))
         except (ParseError, ValueError, TypeError, AttributeError) as err:  # ParseDict raises these for non-objects
-            return _error(422, f"not a WeightVersion: {err}")
+            raise HTTPException(422, f"not a WeightVersion: {err}") from None
         try:
             await run_in_threadpool(gen.request_weights, weights, relay_sources)  # reads Redis: off the event loop
         except (NotPublished, WeightError) as err:
-            return _error(409, str(err))
-        return JSONResponse({"accepted_version": weights.version}, status_code=202)
+            raise HTTPException(409, str(err)) from None
+        return api.LoadAccepted(accepted_version=weights.version)
 
     return app
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
 
 
 def _same_record(a: WeightVersion, b: WeightVersion) -> bool:
