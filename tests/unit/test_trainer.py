@@ -257,6 +257,21 @@ def test_a_non_finite_gradient_is_never_stepped(tmp_path):
     assert not all(torch.equal(before[k], v) for k, v in backend.policy.state_dict().items())
 
 
+def test_weights_that_are_not_finite_are_never_published():
+    """Issue #30, R3-2: the last line behind the skipped steps: a version holding a NaN or inf tensor is refused,
+    naming it, before anything is written (so neither published nor checkpointed)."""
+    from reinforce.trainer.main import _check_finite
+
+    finite = {"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    _check_finite(finite, 5)
+    _check_finite(tiny_model(0), 5)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(
+            RuntimeError, match=r"weight version 5: 1 tensors are not finite \(first: b\); not published"
+        ):
+            _check_finite({**finite, "b": torch.tensor([0.0, bad, 1.0])}, 5)
+
+
 def test_checkpoint_files_and_folders_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
     """Issue #13, finding 10: a crash right after a checkpoint is named cannot leave it empty or partial."""
     import os
