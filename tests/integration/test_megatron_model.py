@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -336,3 +337,25 @@ def test_smollm2_logprobs_match_hf(tmp_path: Path) -> None:
             got, mask = response_logprobs(model, prompts, responses, temperature)
         assert torch.equal(mask, expected_mask)
         assert (got - expected).abs().max().item() < SMOLLM2_TOLERANCE
+
+
+def test_a_non_finite_gradient_is_never_stepped(tmp_path: Path) -> None:
+    """Issue #30, R3-2, on this backend too: a NaN gradient skips the optimizer step (counted), the schedule goes on."""
+    from reinforce.core.spec import TrainingSpec
+    from reinforce.trainer.backends.megatron.backend import MegatronBackend
+    from reinforce.trainer.distributed import Ranks
+
+    tiny_hf_model(tiny_config()).save_pretrained(tmp_path / "policy")
+    backend = MegatronBackend(TrainingSpec(backend="megatron", lr=1e-3), tmp_path / "policy", Ranks())
+    before = {k: v.clone() for k, v in backend.policy.state_dict().items() if isinstance(v, torch.Tensor)}
+    policy_loss(backend.policy).backward()
+    next(iter(backend.policy.parameters())).grad.view(-1)[0] = torch.nan
+    grad_norm, _ = backend.optimizer_step()
+    assert math.isnan(grad_norm) and backend.skipped_nonfinite_steps == 1
+    after = backend.policy.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    assert backend.scheduler.last_epoch == 1
+    policy_loss(backend.policy).backward()
+    backend.optimizer_step()
+    assert backend.skipped_nonfinite_steps == 1
+    assert not all(torch.equal(v, backend.policy.state_dict()[k]) for k, v in before.items())
