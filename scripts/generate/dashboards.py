@@ -505,14 +505,14 @@ def ppo() -> Dashboard:
             panel(
                 "Critic requests/s",
                 "Requests to the critic service per endpoint (values, train, checkpoint, restore, probes).",
-                (rate(counter(c.requests), by=endpoint), "{{run}} {{endpoint}}"),
+                (rate(counter(c.http.requests), by=endpoint), "{{run}} {{endpoint}}"),
                 unit="reqps",
             ),
             panel(
                 "Critic seconds per request",
                 "Mean seconds the critic takes per request, per endpoint.",
                 (
-                    ratio(histogram(c.seconds, "sum"), histogram(c.seconds, "count"), by=endpoint),
+                    ratio(histogram(c.http.seconds, "sum"), histogram(c.http.seconds, "count"), by=endpoint),
                     "{{run}} {{endpoint}}",
                 ),
                 unit="s",

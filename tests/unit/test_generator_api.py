@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from reinforce.core import generator_api as api
+from reinforce.core.metrics import GeneratorMetrics
 from reinforce.generator.worker import control_plane
 
 
+def app() -> FastAPI:
+    # Building the app touches nothing of the generator but its name and metrics: the handlers read it when called.
+    return control_plane(SimpleNamespace(name="routes", metrics=GeneratorMetrics()), token="unused")  # type: ignore[arg-type]
+
+
 def served_routes() -> set[tuple[str, str]]:
-    # Building the app touches nothing of the generator but its name: the handlers read it only when called.
-    app = control_plane(SimpleNamespace(name="routes"), token="unused")  # type: ignore[arg-type]
-    routes = [r for r in app.routes if isinstance(r, APIRoute)]
+    routes = [r for r in app().routes if isinstance(r, APIRoute)]
     return {(method, r.path) for r in routes for method in r.methods}
 
 
@@ -22,8 +27,7 @@ def test_every_route_the_generator_serves_is_declared() -> None:
 
 
 def test_the_declared_bodies_are_what_the_routes_answer() -> None:
-    app = control_plane(SimpleNamespace(name="routes"), token="unused")  # type: ignore[arg-type]
-    answers = {(m, r.path): r.response_model for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
+    answers = {(m, r.path): r.response_model for r in app().routes if isinstance(r, APIRoute) for m in r.methods}
     assert answers[("GET", api.WEIGHTS_PATH)] is api.WeightsStatus
     assert answers[("POST", api.WEIGHTS_PATH)] is api.LoadAccepted
     assert answers[("GET", api.READY_PATH)] is api.Readiness

@@ -1,18 +1,23 @@
-"""What every authenticated control plane (generator, critic, environment) shares: the bearer-token check and a
-request body read with a size cap.
+"""What every authenticated control plane (generator, critic, environment) shares: the bearer-token check, a
+request body read with a size cap, one shape of error body and the request metrics.
 
-The token comes from $REINFORCE_CONTROL_TOKEN (names.CONTROL_TOKEN_ENV); probes and metrics stay open.
+Each service's token comes from its own variable (names.CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV);
+probes and metrics stay open. Every 4xx a handler answers is FastAPI's {"detail": ...}: raise HTTPException.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from fastapi import Header, HTTPException, Request
+from fastapi import FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from reinforce.core.metrics import RequestMetrics
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -58,3 +63,42 @@ async def read_body(request: Request, model: type[Body], max_bytes: int) -> Body
         raise HTTPException(
             status_code=422, detail=json.loads(err.json(include_url=False, include_input=False))
         ) from None
+
+
+OTHER_ENDPOINT = "other"  # the endpoint label of every request that matched no route
+
+
+def count_requests(app: FastAPI, metrics: RequestMetrics) -> None:
+    """Count every request of `app` and time it, by route template and status code."""
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+
+class _CountRequests:
+    """Pure ASGI, not BaseHTTPMiddleware: the request body stays a stream the handler pulls chunk by chunk (read_capped
+    stops pulling past its cap)."""
+
+    def __init__(self, app: ASGIApp, metrics: RequestMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        code = 500  # an exception that escapes the app: Starlette answers 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal code
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            # the matched route's template (the router notes it in the scope), so that ids in a path do not become
+            # series; unknown paths share one label, so a scanner cannot blow up the series count
+            endpoint = getattr(scope.get("route"), "path", OTHER_ENDPOINT)
+            self.metrics.requests.labels(endpoint, str(code)).inc()
+            self.metrics.seconds.labels(endpoint).observe(time.perf_counter() - start)

@@ -110,6 +110,24 @@ def prometheus_name(name: str) -> str:
     return PREFIX + name.replace("/", "_")
 
 
+class RequestMetrics:
+    """A control plane's HTTP requests (reinforce_<component>_requests, _request_seconds), by route template and
+    status code: written by core/http_kit.py's count_requests for the generator, the critic and the environment."""
+
+    def __init__(self, component: str, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            f"{PREFIX}{component}_requests", "HTTP requests by endpoint and status code.", ["endpoint", "code"],
+            registry=registry,
+        )  # fmt: skip
+        self.seconds = Histogram(
+            f"{PREFIX}{component}_request_seconds",
+            "Seconds to answer a request, by endpoint.",
+            ["endpoint"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+            registry=registry,
+        )
+
+
 class TrainerMetrics:
     """The trainer's gauges and its metrics.jsonl, written together so the two never disagree."""
 
@@ -212,6 +230,7 @@ class GeneratorMetrics:
             "Batches redone because the environment service failed (restarted, unreachable, refused).",
             registry=r,
         )
+        self.http = RequestMetrics("generator", r)
 
 
 class CriticMetrics:
@@ -219,16 +238,7 @@ class CriticMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter(
-            PREFIX + "critic_requests", "HTTP requests by endpoint and status code.", ["endpoint", "code"], registry=r
-        )
-        self.seconds = Histogram(
-            PREFIX + "critic_request_seconds",
-            "Seconds to answer a request, by endpoint.",
-            ["endpoint"],
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
-            registry=r,
-        )
+        self.http = RequestMetrics("critic", r)
         self.train_steps = Gauge(
             PREFIX + "critic_train_steps", "Optimizer steps since the critic was created, resumes included.", registry=r
         )

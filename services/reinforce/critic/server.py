@@ -38,7 +38,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -51,7 +51,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
 
-from reinforce.core.bearer import bearer_dependency, read_body
+from reinforce.core.bearer import bearer_dependency, count_requests, read_body
 from reinforce.core.checkpoints import (
     checkpoint_folder,
     checkpoint_step,
@@ -97,7 +97,6 @@ class RestoreRefused(ValueError):
 
 
 Body = TypeVar("Body", bound=BaseModel)
-PATHS = (VALUES_PATH, TRAIN_PATH, CHECKPOINT_PATH, RESTORE_PATH, HEALTH_PATH, READY_PATH, METRICS_PATH)
 
 
 @dataclass(frozen=True)
@@ -382,19 +381,7 @@ def create_app(critic: Critic, token: str) -> FastAPI:
     max_bytes = int(critic.config.critic.max_request_mb * 2**20)
     authorized = bearer_dependency(token)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        # unknown paths share one label, so a scanner cannot blow up the series count
-        endpoint = request.url.path if request.url.path in PATHS else "other"
-        start = time.perf_counter()
-        code = "500"
-        try:
-            response = await call_next(request)
-            code = str(response.status_code)
-            return response
-        finally:
-            critic.metrics.requests.labels(endpoint, code).inc()
-            critic.metrics.seconds.labels(endpoint).observe(time.perf_counter() - start)
+    count_requests(app, critic.metrics.http)
 
     @app.get(HEALTH_PATH)
     def healthz() -> dict:

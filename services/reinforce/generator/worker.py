@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_s
 from transformers import AutoConfig
 
 from reinforce.core import generator_api as api
-from reinforce.core.bearer import bearer_dependency, read_capped
+from reinforce.core.bearer import bearer_dependency, count_requests, read_capped
 from reinforce.core.environment_client import EnvironmentServiceError
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import load_tokenizer, materialize_policy
@@ -385,6 +385,7 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
     core/generator_api.py."""
     app = FastAPI(title=f"reinforce generator {gen.name}")
     authorized = bearer_dependency(token, "control token")
+    count_requests(app, gen.metrics.http)
 
     @app.get(api.HEALTH_PATH)
     def healthz() -> api.Health:
