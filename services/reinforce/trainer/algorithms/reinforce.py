@@ -57,8 +57,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from reinforce.core.registry import AdvantageEstimator
 from reinforce.trainer.algorithms.advantages import (
-    AdvantageEstimator,
     dr_grpo_advantages,
     grpo_advantages,
     reinforce_plus_plus_advantages,
