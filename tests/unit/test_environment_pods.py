@@ -20,6 +20,7 @@ from reinforce.core.names import (
     REDIS_URL_ENV,
     WEIGHTS_TOKEN_ENV,
 )
+from reinforce.core.spec import CODE_TESTS_REWARD
 from reinforce.operator.children import SPEC_FILE, OperatorConfig, Ports, Run, children, secrets_secret
 from reinforce.operator.main import PodState, phase_of
 from reinforce.operator.tenancy import refusals
@@ -212,3 +213,24 @@ def test_each_pod_of_a_ppo_tools_run_holds_only_its_credentials() -> None:
     assert held["trainer"] == {REDIS_URL_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN_ENV}
     assert held["critic"] == {CRITIC_TOKEN_ENV} and held["reward"] == set()
     assert OperatorConfig().configured_images() >= {"reinforce-environment:0.1.0"}
+
+
+def test_a_code_tests_reward_server_holds_the_environment_token_and_reaches_the_environment() -> None:
+    """reward.function code_tests runs tests in the environment: the reward pod gets its URL and token, and the
+    environment's policy lets the run's reward pod in beside its generators; other runs' pods stay out."""
+    code_tests = {"reward.type": "python", "reward.function": CODE_TESTS_REWARD}
+    objects = children(environment_run(**code_tests))
+    reward = container(objects, "reward")
+    assert secret_env(reward) == {ENVIRONMENT_TOKEN_ENV: ("tiny-secrets", "environment-token")}
+    url = reward["command"][reward["command"].index("--environment-url") + 1]
+    generator = container(objects, "generator")["command"]
+    assert url == generator[generator.index("--environment-url") + 1]  # the generators' URL of the environment
+    policy = next(o["spec"] for o in objects if o["metadata"]["name"] == "tiny-environment-network")
+    peers = policy["ingress"][0]["from"]
+    labels = {name.removeprefix("tiny-"): t["metadata"]["labels"] for name, t in pod_templates(objects).items()}
+    reaching = {c for c in labels if any(selects(peer["podSelector"], labels[c]) for peer in peers)}
+    assert reaching == {"generator", "reward"}
+    other = pod_templates(children(environment_run(name="other", **code_tests)))["other-reward"]["metadata"]["labels"]
+    assert not any(selects(peer["podSelector"], other) for peer in peers)
+    # without code_tests the reward pod holds no token and no URL (test above: held["reward"] == set())
+    assert "--environment-url" not in container(children(environment_run()), "reward")["command"]

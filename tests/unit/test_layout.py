@@ -72,7 +72,6 @@ CORE_MODULES = sorted(p.stem for p in (PACKAGE / "core").glob("*.py") if p.stem 
 # own rework rewrites; they move into generator/ with that change, not beside it.
 ONE_USER = {
     "reward_client": "the generator's client of the reward server (generator/worker.py)",
-    "environment_client": "the generator's client of the environment service (generator/worker.py, episodes.py)",
 }
 
 

@@ -14,6 +14,11 @@ An episode, as a generator runs it (all /v1 requests with `Authorization: Bearer
            the episode's last, its call not run) and no observation
     GET    /v1/episodes/{id}         -> EpisodeState (turn, done, tool calls)
     DELETE /v1/episodes/{id}         -> EpisodeState; always delete an episode when its sample is finished
+One program, outside any episode (the reward server's code checking, reward.function
+reinforce.reward.rewards:code_tests):
+    POST   /v1/run                   {"code": "..."}
+        -> 200 RunResponse: stdout, stderr, exit code, timeout, signal; run in the sandbox with the python tool's
+           limits (environment.time_limit_s, memory_limit_mb, ...), each stream cut to environment.output_limit_chars
 Errors: 401 (token), 404 (no such episode: never started, deleted, or idle past environment.episode_idle_s),
 409 (a step on a done episode, or while another step of it runs), 413 (body over MAX_REQUEST_BYTES), 422 (body),
 429 (environment.max_episodes open). The reward is not the environment's: the reward server scores the trajectory.
@@ -26,6 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 EPISODES_PATH = "/v1/episodes"
+RUN_PATH = "/v1/run"
 # A tool call's closing tag: generators stop an assistant turn there and send it (tools.py parses the call).
 TOOL_CALL_CLOSE = "</tool_call>"
 MAX_REQUEST_BYTES = 1 << 20  # a prompt or one assistant turn
@@ -98,3 +104,18 @@ class ReadyResponse(_Body):
     python: str = Field(description="The interpreter the python tool runs.")
     tools: list[str]
     open_episodes: int
+
+
+class RunRequest(_Body):
+    code: str = Field(description="A Python 3 program, run as the python tool runs one (its stdin is empty).")
+
+
+class RunResponse(_Body):
+    """A program's result; stdout and stderr are each cut to environment.output_limit_chars (the head is kept)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None = Field(description="None when it was stopped at environment.time_limit_s.")
+    timed_out: bool
+    signal: str | None = Field(None, description="The signal that ended the program (SIGKILL, SIGXCPU, ...).")
+    truncated: bool = Field(False, description="stdout or stderr was cut.")

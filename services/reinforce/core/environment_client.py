@@ -5,6 +5,7 @@
         result = await env.step(episode.episode_id, turn_text)
         ...                                             # until result.done
         await env.delete(episode.episode_id)
+        result = await env.run(program)                 # one program in the sandbox (the reward's code checking)
 
 No request is retried: a step runs a tool, and repeating it is not harmless. An episode the service no longer has
 (404: it restarted, or the episode sat idle past environment.episode_idle_s) raises EpisodeLost; the generator
@@ -18,9 +19,12 @@ from pydantic import BaseModel
 
 from reinforce.core.environment_api import (
     EPISODES_PATH,
+    RUN_PATH,
     EpisodeState,
     ResetRequest,
     ResetResponse,
+    RunRequest,
+    RunResponse,
     StepRequest,
     StepResponse,
     episode_path,
@@ -68,6 +72,9 @@ class EnvironmentClient:
 
     async def delete(self, episode_id: str) -> EpisodeState:
         return EpisodeState.model_validate_json(await self._send("DELETE", episode_path(episode_id)))
+
+    async def run(self, code: str) -> RunResponse:
+        return RunResponse.model_validate_json(await self._send("POST", RUN_PATH, RunRequest(code=code)))
 
     async def _send(self, method: str, path: str, body: BaseModel | None = None) -> bytes:
         content = body.model_dump_json() if body is not None else None

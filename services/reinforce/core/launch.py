@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reinforce.core import names
+from reinforce.core.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,10 @@ class Service:
         return argv
 
 
-REWARD = Service("reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port")
+# The environment token only when the reward runs code there (reward.function code_tests: RewardSpec.uses_environment).
+REWARD = Service(
+    "reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port", credentials=(names.ENVIRONMENT_TOKEN_ENV,)
+)
 GENERATOR = Service(
     "reinforce.generator", names.READY_PATH, probe_port_flag="port",
     credentials=(names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV, names.WEIGHTS_TOKEN_ENV, names.ENVIRONMENT_TOKEN_ENV),
@@ -45,6 +49,19 @@ CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port", c
 ENVIRONMENT = Service(
     "reinforce.environment", names.READY_PATH, probe_port_flag="port", credentials=(names.ENVIRONMENT_TOKEN_ENV,)
 )
+
+
+def holds(service: Service, credential: str, spec: RunSpec) -> bool:
+    """Whether `service` gets `credential` in a run of `spec`: one of its credentials, of a service the run has."""
+    if credential not in service.credentials:
+        return False
+    if credential == names.CRITIC_TOKEN_ENV:
+        return spec.algorithm.name == "ppo"
+    if credential == names.ENVIRONMENT_TOKEN_ENV:
+        return spec.environment.enabled and (service is not REWARD or spec.reward.uses_environment)
+    return True
+
+
 # `reinforce rollout` (the weight reconciler of docker compose; the supervisor and the operator run it in-process)
 ROLLOUT_CREDENTIALS = (names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV)
 

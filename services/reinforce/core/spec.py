@@ -95,6 +95,10 @@ class PolicySpec(_Section):
         return self
 
 
+# The built-in reward that runs a response's code and the prompt's tests in the environment service's sandbox.
+CODE_TESTS_REWARD = "reinforce.reward.rewards:code_tests"
+
+
 class RewardSpec(_Section):
     """The reward model served by Triton as model `reward`."""
 
@@ -127,6 +131,12 @@ class RewardSpec(_Section):
         if self.type == "python" and not self.function:
             raise ValueError("type python needs function")
         return self
+
+    @property
+    def uses_environment(self) -> bool:
+        """The reward runs code in the environment service (CODE_TESTS_REWARD): the reward server gets its URL and
+        token."""
+        return self.type == "python" and self.function == CODE_TESTS_REWARD
 
 
 class DataSpec(_Section):
@@ -784,6 +794,15 @@ class RunSpec(_Section):
             )
         if self.generation.engine == "vllm" and lora.rank > 512:
             raise ValueError(f"training.lora.rank {lora.rank}: vLLM loads adapters up to rank 512")
+        return self
+
+    @model_validator(mode="after")
+    def _code_tests_need_the_environment(self) -> RunSpec:
+        if self.reward.uses_environment and not self.environment.enabled:
+            raise ValueError(
+                f"reward.function {CODE_TESTS_REWARD} runs the tests in the environment service: set "
+                "environment.enabled (with environment.max_turns 1 for single-turn answers)"
+            )
         return self
 
     @model_validator(mode="after")

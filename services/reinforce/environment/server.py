@@ -8,7 +8,8 @@ reinforce/core/environment_client.py) in OpenEnv's words: a generator starts an 
 /v1/episodes), sends each assistant turn as it was sampled (POST /v1/episodes/{id}/step), appends the observation it
 gets back as the tool's message and samples on, until `done`; then it deletes the episode. The first tool call of a
 turn runs (tools.py: the call format and how to write a tool); a turn without one, or the episode's
-environment.max_turns-th turn, is `done`. Open probes: GET /healthz, /readyz (the sandbox's isolation), /metrics
+environment.max_turns-th turn, is `done`. POST /v1/run runs one program in the sandbox outside any episode (the reward
+server's code checking). Open probes: GET /healthz, /readyz (the sandbox's isolation), /metrics
 (reinforce_environment_*).
 
 Limits (the run spec's `environment` section): environment.max_concurrent_calls tool calls run at once (others
@@ -38,11 +39,14 @@ from reinforce.core.bearer import bearer_dependency, read_body
 from reinforce.core.environment_api import (
     EPISODES_PATH,
     MAX_REQUEST_BYTES,
+    RUN_PATH,
     EpisodeState,
     Observation,
     ReadyResponse,
     ResetRequest,
     ResetResponse,
+    RunRequest,
+    RunResponse,
     StepRequest,
     StepResponse,
 )
@@ -238,6 +242,24 @@ class Environment:
         for episode in [e for e in self.episodes.values() if not e.busy and e.last_active < deadline]:
             await self.delete(episode.id, "expired")
 
+    async def run(self, code: str) -> RunResponse:
+        """One program in the sandbox, outside any episode (the reward server's code checking): a call slot and the
+        python tool's limits, each stream cut to output_limit_chars. Not a tool call: it counts in no tool's series."""
+        async with self.calls:
+            result = await self.sandbox.run(code)
+        if result.signal:
+            self.metrics.sandbox_kills.labels(result.signal).inc()
+        limit = self.spec.output_limit_chars
+        stdout, stderr = (_cut(text, limit) for text in (result.stdout, result.stderr))
+        return RunResponse(
+            stdout=stdout,
+            stderr=stderr,
+            exit_code=result.exit_code,
+            timed_out=result.timed_out,
+            signal=result.signal,
+            truncated=(stdout, stderr) != (result.stdout, result.stderr),
+        )
+
     def ready(self) -> ReadyResponse:
         return ReadyResponse(
             ready=True,
@@ -248,9 +270,13 @@ class Environment:
         )
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
+
+
 # ---- HTTP ------------------------------------------------------------------------------------------------------
 ERRORS: dict[type[Exception], int] = {NoEpisode: 404, EpisodeConflict: 409, TooManyEpisodes: 429}
-ROUTES = (EPISODES_PATH, f"{EPISODES_PATH}/{{episode_id}}", f"{EPISODES_PATH}/{{episode_id}}/step")
+ROUTES = (EPISODES_PATH, f"{EPISODES_PATH}/{{episode_id}}", f"{EPISODES_PATH}/{{episode_id}}/step", RUN_PATH)
 
 
 @contextlib.contextmanager
@@ -313,6 +339,11 @@ def create_app(env: Environment, token: str) -> FastAPI:
         body = await read_body(request, StepRequest, MAX_REQUEST_BYTES)
         with _http_errors():
             return (await env.step(episode_id, body.action)).model_dump()
+
+    @app.post(RUN_PATH, dependencies=[Depends(authorized)])
+    async def run(request: Request) -> dict:
+        body = await read_body(request, RunRequest, MAX_REQUEST_BYTES)
+        return (await env.run(body.code)).model_dump()
 
     @app.get(EPISODES_PATH + "/{episode_id}", dependencies=[Depends(authorized)])
     def state(episode_id: str) -> dict:

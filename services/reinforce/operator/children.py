@@ -51,6 +51,7 @@ from reinforce.core.names import (
     COMPONENT_CRITIC,
     COMPONENT_ENVIRONMENT,
     COMPONENT_GENERATOR,
+    COMPONENT_REWARD,
     COMPONENTS,
     CONTROL_TOKEN_ENV,
     CRITIC_PORT,
@@ -385,17 +386,21 @@ def _needs(run: Run, credential: str) -> bool:
     return credential != ENVIRONMENT_TOKEN_ENV or run.spec.environment.enabled
 
 
-def _service_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
-    """The service's credentials from the run's Secrets, and nothing else secret, then the plain settings."""
-    credentials = [
+def _credential_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
+    """The service's credentials from the run's Secrets, those of services the run has (launch.holds)."""
+    return [
         _env_from_secret(name, run.redis_secret, REDIS_URL_KEY)
         if name == REDIS_URL_ENV
         else _env_from_secret(name, run.child("secrets"), SECRET_KEYS[name])
         for name in service.credentials
-        if _needs(run, name)
+        if launch.holds(service, name, run.spec)  # the reward server's only for reward.function code_tests
     ]
+
+
+def _service_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
+    """The service's credentials, and nothing else secret, then the plain settings."""
     return [
-        *credentials,
+        *_credential_env(run, service),
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *({"name": name, "value": value} for name, value in OPENMP_ENVIRONMENT.items()),
@@ -529,13 +534,16 @@ def reward_service(run: Run) -> dict[str, Any]:
 
 def reward_deployment(run: Run) -> dict[str, Any]:
     p = run.config.ports
+    # reward.function code_tests runs the tests in the environment service
+    environment = {"environment_url": environment_url(run)} if run.spec.reward.uses_environment else {}
     command = _python_service(
-        launch.REWARD, http_port=p.reward_http, grpc_port=p.reward_grpc, metrics_port=p.reward_metrics
+        launch.REWARD, http_port=p.reward_http, grpc_port=p.reward_grpc, metrics_port=p.reward_metrics, **environment
     )
     volume, mount = _spec_volume(run)
     container = _container(
         run, "reward", command, {"http": p.reward_http, "grpc": p.reward_grpc, "metrics": p.reward_metrics},
         volumeMounts=[mount],
+        **({"env": _credential_env(run, launch.REWARD)} if environment else {}),
         readinessProbe=_http_probe(launch.REWARD.ready_path, p.reward_http),
         livenessProbe={**_http_probe(REWARD_LIVE_PATH, p.reward_http, 10), "initialDelaySeconds": 30},
     )  # fmt: skip
@@ -818,11 +826,13 @@ def environment_deployment(run: Run) -> dict[str, Any]:
 
 
 def environment_network_policy(run: Run) -> dict[str, Any]:
-    """Who may connect to the environment pod: the run's generators on its API port, anyone on its metrics port
-    (Prometheus); and it may connect to nothing (no egress rule: model-written code reaches no address, the
-    cluster's DNS and the API server included; answers to allowed connections still flow)."""
+    """Who may connect to the environment pod: the run's generators on its API port (and its reward server, when
+    reward.function code_tests runs tests there), anyone on its metrics port (Prometheus); and it may connect to
+    nothing (no egress rule: model-written code reaches no address, the cluster's DNS and the API server included;
+    answers to allowed connections still flow)."""
     p = run.config.ports
-    generators = {"podSelector": {"matchLabels": {**_own_pods(run), K8S_COMPONENT_LABEL: COMPONENT_GENERATOR}}}
+    callers = [COMPONENT_GENERATOR, *([COMPONENT_REWARD] if run.spec.reward.uses_environment else [])]
+    clients = [{"podSelector": {"matchLabels": {**_own_pods(run), K8S_COMPONENT_LABEL: c}}} for c in callers]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -831,7 +841,7 @@ def environment_network_policy(run: Run) -> dict[str, Any]:
             "podSelector": {"matchLabels": run.selector(COMPONENT_ENVIRONMENT)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [
-                {"from": [generators], "ports": _tcp([p.environment])},
+                {"from": clients, "ports": _tcp([p.environment])},
                 {"ports": _tcp([p.environment_metrics])},
             ],
             "egress": [],

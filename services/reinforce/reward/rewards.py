@@ -12,15 +12,19 @@ naming the function, raised before anything reaches the wire.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
 import numbers
 import re
+import secrets
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from reinforce.core.spec import RewardSpec
+from reinforce.core.environment_client import EnvironmentClient
+from reinforce.core.spec import CODE_TESTS_REWARD, RewardSpec
 
 
 class RewardFn(Protocol):
@@ -85,6 +89,66 @@ def math_answer(prompts: list[str], responses: list[str], answers: list[str]) ->
         raise ValueError(f"math_answer: {len(missing)} prompts without a reference answer (their record's `answer`)")
     found = [final_answer(r) for r in responses]
     return [float(f is not None and same_answer(f, a)) for f, a in zip(found, answers, strict=True)]
+
+
+# Code: the response's last ```python block, run with the prompt's tests in the environment service's sandbox.
+_CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
+# Solution and tests run in one namespace, their stdout discarded; the random marker printed after them proves the
+# tests ran to their end: a solution that calls sys.exit(0) or os._exit(0) first exits 0 without it.
+_HARNESS = """import contextlib, io
+class _Sink(io.TextIOBase):
+    def write(self, text):
+        return len(text)
+_namespace = {{"__name__": "solution"}}
+with contextlib.redirect_stdout(_Sink()):
+    exec(compile({solution!r}, "solution.py", "exec"), _namespace)
+    exec(compile({tests!r}, "tests.py", "exec"), _namespace)
+print({marker!r})
+"""
+# One request's wait: for a free call slot (environment.max_concurrent_calls), then for the program's time limit.
+CODE_TESTS_TIMEOUT_S = 600.0
+
+
+def final_code(response: str) -> str | None:
+    """The content of the response's last fenced ```python (or ```py) block; None without one."""
+    blocks = _CODE_BLOCK.findall(response)
+    return blocks[-1] if blocks else None
+
+
+def checking_program(solution: str, tests: str, marker: str) -> str:
+    """A program that runs `solution`, then `tests` (asserts) in its namespace, then prints `marker`."""
+    return _HARNESS.format(solution=solution, tests=tests, marker=marker)
+
+
+def code_tests(
+    prompts: list[str], responses: list[str], answers: list[str], environment_url: str, environment_token: str
+) -> list[float]:
+    """1.0 where the response's last ```python block passes the prompt's tests (its record's `answer`: Python code,
+    asserts on what the block defines) in the environment service's sandbox, else 0.0: a failed assert, an
+    exception, a timeout, an exit before the tests ended, or no code block (nothing is run). A prompt without tests
+    is an error. The reward server passes `environment_url` and `environment_token` (reward.function
+    reinforce.reward.rewards:code_tests needs environment.enabled)."""
+    missing = [i for i, a in enumerate(answers) if not a.strip()]
+    if missing:
+        raise ValueError(f"code_tests: {len(missing)} prompts without tests (their record's `answer`)")
+    solutions = [final_code(r) for r in responses]
+    # A loop of its own in a thread of its own: PyTriton calls reward functions from inside a running event loop,
+    # where asyncio.run is refused.
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, _run_tests(solutions, answers, environment_url, environment_token)).result()
+
+
+async def _run_tests(solutions: list[str | None], tests: list[str], url: str, token: str) -> list[float]:
+    async with EnvironmentClient(url, token, timeout_s=CODE_TESTS_TIMEOUT_S) as env:
+
+        async def passes(solution: str | None, test: str) -> float:
+            if solution is None:
+                return 0.0
+            marker = secrets.token_hex(16)  # unknown to the solution until it runs
+            result = await env.run(checking_program(solution, test, marker))
+            return float(result.exit_code == 0 and result.stdout.rstrip("\n").endswith(marker))
+
+        return list(await asyncio.gather(*(passes(s, t) for s, t in zip(solutions, tests, strict=True))))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,8 +295,9 @@ def _as_floats(result: Any, expected: int, name: str) -> list[float]:
     return [float(v) for v in result]
 
 
-def build_reward_fn(spec: RewardSpec) -> RewardFn:
-    """The reward function a spec describes, with its results checked."""
+def build_reward_fn(spec: RewardSpec, environment: tuple[str, str] | None = None) -> RewardFn:
+    """The reward function a spec describes, with its results checked. `environment`: the environment service's
+    (url, token), which code_tests needs."""
     if spec.type == "vader":
         return checked(vader_reward(), "vader")
     if spec.type == "hf_classifier":
@@ -242,4 +307,12 @@ def build_reward_fn(spec: RewardSpec) -> RewardFn:
         assert spec.path is not None  # the spec's validator guarantees it
         return checked(hf_classifier_reward(spec.path, spec.label, **spec.kwargs), f"hf_classifier {spec.path}")
     assert spec.function is not None  # the spec's validator guarantees it
-    return checked(python_reward(spec.function, dict(spec.kwargs)), f"reward function {spec.function}")
+    kwargs = dict(spec.kwargs)
+    if spec.function == CODE_TESTS_REWARD:
+        if environment is None:
+            raise RewardError(
+                f"{CODE_TESTS_REWARD} runs the tests in the environment service: it needs --environment-url and "
+                "$REINFORCE_ENVIRONMENT_TOKEN (environment.enabled)"
+            )
+        kwargs.update(environment_url=environment[0], environment_token=environment[1])
+    return checked(python_reward(spec.function, kwargs), f"reward function {spec.function}")

@@ -1,7 +1,9 @@
 """Reward server: the spec's reward function served by a real Triton server (PyTriton) as model `reward`.
 
     python -m reinforce.reward --spec SPEC.yaml [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-        [--host 127.0.0.1]
+        [--host 127.0.0.1] [--environment-url URL]
+        (reward.function reinforce.reward.rewards:code_tests: the environment service's URL, and its bearer token in
+        $REINFORCE_ENVIRONMENT_TOKEN, which this server holds only then)
 
 Model `reward`: inputs `prompt` and `response` (BYTES, shape (1,) per row) and the optional `answer` (the prompt's
 reference answer; this project's client always sends it, so that a dynamic batch never mixes rows with and without
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from reinforce.core.names import (
+    ENVIRONMENT_TOKEN_ENV,
     LOCAL_HOST,
     REWARD_FN_FAILED,
     REWARD_INPUT_ANSWER,
@@ -121,6 +124,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--host", default=LOCAL_HOST, help=f"Address Triton binds HTTP, gRPC and metrics to (default {LOCAL_HOST})."
     )
+    parser.add_argument(
+        "--environment-url", help="The environment service, where reward.function code_tests runs the tests."
+    )
     parser.add_argument("--log-level", default="INFO", help="Python log level.")
     return parser.parse_args(argv)
 
@@ -159,7 +165,9 @@ def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> 
 
 
 def serve(spec: RewardSpec, args: argparse.Namespace) -> int:
-    reward_fn = build_reward_fn(spec)
+    token = os.environ.get(ENVIRONMENT_TOKEN_ENV)
+    environment = (args.environment_url, token) if args.environment_url and token else None
+    reward_fn = build_reward_fn(spec, environment)
     check_ports_free(args.host, [args.http_port, args.grpc_port, args.metrics_port])
     ensure_libpython_on_ld_path()
     stop = threading.Event()

@@ -231,7 +231,7 @@ class Supervisor:
     ) -> Component:
         c = Component(name, argv, self.paths.logs / f"{name}.log", threads)
         if service is not None:
-            c.credentials = {k: v for k, v in self.credentials.items() if k in service.credentials}
+            c.credentials = {k: v for k, v in self.credentials.items() if launch.holds(service, k, self.spec)}
         c.start(self.env)
         self.components.append(c)
         return c
@@ -284,9 +284,11 @@ class Supervisor:
     def start_reward(self) -> str:
         http, grpc, metrics = free_port(), free_port(), free_port()
         self.add_scrape_target(COMPONENT_REWARD, "reward", metrics)
+        # reward.function code_tests runs the tests in the environment service (started before it)
+        environment = {"environment_url": self.environment_url} if self.spec.reward.uses_environment else {}
         c = self.component(
             "reward",
-            self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics),
+            self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics, **environment),
             self.threads.reward,
             launch.REWARD,
         )
@@ -340,10 +342,10 @@ class Supervisor:
 
     def run(self) -> None:
         self.start_redis()
+        # the generators' multi-turn rollouts run their episodes here (and reward.function code_tests its tests)
+        self.environment_url = self.start_environment() if self.spec.environment.enabled else None
         reward_url = self.start_reward()
         critic_url = self.start_critic() if self.spec.algorithm.name == "ppo" else None
-        # the generators' multi-turn rollouts run their episodes here
-        self.environment_url = self.start_environment() if self.spec.environment.enabled else None
         generator_urls = self.start_generators(reward_url)
         trainer = self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer, launch.TRAINER)
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
