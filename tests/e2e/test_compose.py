@@ -31,9 +31,13 @@ from reinforce.core.metrics import read_metrics
 from reinforce.core.names import COMPONENTS as ALL_COMPONENTS
 from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, WEIGHTS_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
+from reinforce.core.samples import read_samples, sample_steps
+from reinforce.core.spec import EnvironmentSpec
+from reinforce.operator import children
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+TOOLS_OVERRIDE = ROOT / "compose" / "tools.yml"  # the profile `tools` wired to the generators
 PROMETHEUS_CONFIG = ROOT / "compose" / "prometheus.yml"  # the `prometheus` service's, @RUN@ -> $REINFORCE_RUN
 EXAMPLES = ROOT / "examples"
 SPEC_IN_CONTAINER = "/etc/reinforce/spec.yaml"
@@ -46,10 +50,12 @@ needs_compose = pytest.mark.skipif(
 )
 
 
-def compose_config(**env: str) -> dict:
-    """The file as docker-compose resolves it: variables substituted, anchors expanded, paths made absolute."""
+def compose_config(*overrides: Path, **env: str) -> dict:
+    """The file (and overrides) as docker-compose resolves it: variables substituted, anchors expanded, paths made
+    absolute."""
+    files = [arg for path in (COMPOSE, *overrides) for arg in ("-f", str(path))]
     result = subprocess.run(
-        [DOCKER_COMPOSE, "-f", str(COMPOSE), "config"], env={**os.environ, **env}, capture_output=True, text=True
+        [DOCKER_COMPOSE, *files, "config"], env={**os.environ, **env}, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
@@ -61,10 +67,12 @@ def test_compose_file_is_valid():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize(("compose_spec", "example"), [("compose", "tiny"), ("compose-ppo", "tiny-ppo")])
+@pytest.mark.parametrize(
+    ("compose_spec", "example"), [("compose", "tiny"), ("compose-ppo", "tiny-ppo"), ("compose-tools", "tiny-tools")]
+)
 def test_compose_spec_is_the_tiny_example(compose_spec, example):
-    """examples/compose.yaml is tiny.yaml (compose-ppo.yaml tiny-ppo.yaml) with container paths and weights over HTTP,
-    nothing else."""
+    """examples/compose.yaml is tiny.yaml (compose-ppo.yaml tiny-ppo.yaml, compose-tools.yaml tiny-tools.yaml) with
+    container paths and weights over HTTP, nothing else."""
     compose = yaml.safe_load((EXAMPLES / f"{compose_spec}.yaml").read_text())
     tiny = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())
     assert compose.pop("run_dir") == "/data/run"
@@ -95,8 +103,12 @@ def test_each_compose_service_holds_only_its_launch_credentials():
     """Issue #30, R3-7: each container gets the secrets its service uses (core/launch.py), no other."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     held = {name: set(service.get("environment", {})) for name, service in services.items()}
-    # no environment service in the file (the operator too gives its token only to runs that have one)
+    # the environment's token only where it runs: compose/tools.yml gives it to the generators (as the operator
+    # gives it only to runs that have an environment service)
     assert held["generator-0"] == set(launch.GENERATOR.credentials) - {ENVIRONMENT_TOKEN_ENV}
+    assert held["environment"] == set(launch.ENVIRONMENT.credentials)
+    tools = yaml.safe_load(TOOLS_OVERRIDE.read_text())["services"]
+    assert set(tools) == {"generator-0"} and set(tools["generator-0"]["environment"]) == {ENVIRONMENT_TOKEN_ENV}
     assert held["trainer"] == set(launch.TRAINER.credentials)
     assert held["critic"] == set(launch.CRITIC.credentials)
     assert held["rollout"] == set(launch.ROLLOUT_CREDENTIALS)
@@ -104,6 +116,36 @@ def test_each_compose_service_holds_only_its_launch_credentials():
     tokens = {services["generator-0"]["environment"][name] for name in (CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV)}
     tokens.add(services["critic"]["environment"][CRITIC_TOKEN_ENV])
     assert len(tokens) == 3, "the default control, weights and critic tokens must differ"
+
+
+@needs_compose
+def test_compose_environment_is_confined_as_the_operators_pod():
+    """The `environment` service (profile tools) runs model-written code: it gets the settings of the operator's
+    environment pod (operator/children.py) that compose can say, and no network at all; compose/tools.yml gives the
+    generators its socket (read-only) and the command of docker-compose.yml with --environment-url."""
+    services = compose_config(TOOLS_OVERRIDE)["services"]
+    env = services["environment"]
+    assert env["profiles"] == ["tools"] and env["network_mode"] == "none"
+    pod = children.ENVIRONMENT_SECURITY_CONTEXT
+    assert env["read_only"] is pod["readOnlyRootFilesystem"] is True
+    assert env["cap_drop"] == pod["capabilities"]["drop"] == ["ALL"]
+    assert env["security_opt"] == ["no-new-privileges:true"] and pod["allowPrivilegeEscalation"] is False
+    assert env["user"] == f"{children.RUN_AS_USER}:{children.RUN_AS_USER}"
+    assert env["tmpfs"] == [f"{children.SCRATCH_DIR}:size=64m,mode=1777"] and env["pids_limit"] > 0
+    spec = EnvironmentSpec()  # the memory the pod gets by default (operator/children.py _environment_resources)
+    memory_mib = spec.max_concurrent_calls * spec.memory_limit_mb + children.ENVIRONMENT_SERVICE_MEMORY_MIB
+    assert env["mem_limit"] == f"{memory_mib}m"
+    socket_dir = "/run/reinforce-environment"
+    uds = env["command"][-1]
+    assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, uds=uds)
+    assert uds == f"{socket_dir}/api.sock" and f"environment-socket:{socket_dir}:rw" in env["volumes"]
+    assert uds in env["healthcheck"]["test"] and launch.ENVIRONMENT.ready_path in env["healthcheck"]["test"][-1]
+    default = yaml.safe_load(COMPOSE.read_text())["services"]["generator-0"]
+    generator = services["generator-0"]
+    assert generator["command"] == [*default["command"], "--environment-url", f"unix:{uds}"]
+    assert f"environment-socket:{socket_dir}:ro" in generator["volumes"]
+    assert generator["depends_on"]["environment"] == {"condition": "service_healthy"}
+    assert generator["environment"][ENVIRONMENT_TOKEN_ENV] == env["environment"][ENVIRONMENT_TOKEN_ENV]
 
 
 @needs_compose
@@ -178,9 +220,13 @@ def health_argv(service: dict) -> list[str] | None:
 
 @needs_compose
 @pytest.mark.slow
-@pytest.mark.parametrize(("compose_spec", "profile"), [("compose", None), ("compose-ppo", "ppo")])
+@pytest.mark.parametrize(
+    ("compose_spec", "profile"), [("compose", None), ("compose-ppo", "ppo"), ("compose-tools", "tools")]
+)
 def test_compose_commands_train_the_tiny_example(tmp_path, compose_spec, profile):
-    """The services of the file's default profile, and with profile ppo the critic too (examples/compose-ppo.yaml)."""
+    """The services of the file's default profile, with profile ppo the critic too (examples/compose-ppo.yaml), with
+    profile tools and compose/tools.yml the environment service, the generators its clients over its Unix socket
+    (examples/compose-tools.yaml, multi-turn episodes with the calculator)."""
     if shutil.which("redis-server") is None or shutil.which("curl") is None:
         pytest.skip("needs redis-server and curl (make install installs them)")
     spec = yaml.safe_load((EXAMPLES / f"{compose_spec}.yaml").read_text())
@@ -189,7 +235,8 @@ def test_compose_commands_train_the_tiny_example(tmp_path, compose_spec, profile
     spec["training"].update(steps=3, checkpoint_every=3)
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
-    services = compose_config(REINFORCE_SPEC=str(spec_file), REINFORCE_RUN=spec["name"])["services"]
+    overrides = [TOOLS_OVERRIDE] if profile == "tools" else []
+    services = compose_config(*overrides, REINFORCE_SPEC=str(spec_file), REINFORCE_RUN=spec["name"])["services"]
     # `docker-compose config` lists every profile's services; `up` starts those of no profile or of the chosen one
     services = {name: s for name, s in services.items() if profile in s.get("profiles", [profile])}
     ports: dict[str, int] = defaultdict(free_port)
@@ -232,6 +279,9 @@ def test_compose_commands_train_the_tiny_example(tmp_path, compose_spec, profile
     assert (paths.checkpoints / "step-000003").is_dir()
     assert (paths.critic_checkpoints / "step-000003").is_dir() == (profile == "ppo")
     assert (paths.final_model / "config.json").exists()
+    samples = [row for step in sample_steps(paths) for row in read_samples(paths, step)]
+    # with tools, the episodes ran in the environment service: some sample called the calculator
+    assert samples and any(s.get("tool_calls", 0) > 0 for s in samples) == (profile == "tools")
 
 
 @needs_compose

@@ -1,11 +1,16 @@
 """The environment service as a real process (python -m reinforce.environment on a free port), driven over HTTP
-with the real client: episodes, tools, limits, authentication, metrics, and the sandbox's escape attempts."""
+with the real client: episodes, tools, limits, authentication, metrics, and the sandbox's escape attempts.
+
+The escape attempts also run against the service in its container image as docker-compose.yml's profile `tools`
+starts it (docker-marked: the images are built with scripts/build-images.sh, the API reached through the container's
+Unix socket on its volume): each attempt must be contained there too, by the container's confinement."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,8 +25,15 @@ import pytest
 import yaml
 from conftest import free_port
 
+from reinforce.core import launch
 from reinforce.core.environment_api import EPISODES_PATH
-from reinforce.core.environment_client import EnvironmentClient, EnvironmentServiceError, EpisodeLost
+from reinforce.core.environment_client import (
+    UNIX_BASE_URL,
+    EnvironmentClient,
+    EnvironmentServiceError,
+    EpisodeLost,
+    unix_socket,
+)
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 from reinforce.core.spec import dump_spec, parse_spec
 from reinforce.supervisor.main import PROMETHEUS_TARGETS, Supervisor
@@ -31,6 +43,8 @@ TOKEN = "environment-test-token"
 SECRET = "the-parent-secret-4c1d"  # in the server's environment: no tool call may see it
 TIME_LIMIT_S = 3.0
 OUTPUT_LIMIT = 500
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_PROJECT = "reinforce-environment-test"
 
 
 def _spec(run_dir: Path, **environment: object) -> dict:
@@ -55,15 +69,33 @@ def _spec(run_dir: Path, **environment: object) -> dict:
 
 
 class Server:
-    def __init__(self, url: str, process: subprocess.Popen[bytes], run_dir: Path) -> None:
-        self.url, self.process, self.run_dir = url, process, run_dir
+    """The service under test: a local process, or (container set) docker-compose's `environment` container, whose
+    API is a Unix socket (url `unix:/PATH`) and whose process is PID 1 of the container (pid: its host pid)."""
+
+    def __init__(
+        self, url: str, pid: int, run_dir: Path, process: subprocess.Popen[bytes] | None = None, container: str = ""
+    ) -> None:
+        self.url, self.pid, self.run_dir, self.container = url, pid, run_dir, container
+        self._process = process
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        assert self._process is not None, "the service runs in a container"
+        return self._process
 
     def client(self) -> EnvironmentClient:
         return EnvironmentClient(self.url, TOKEN)
 
+    def get(self, path: str) -> httpx.Response:
+        socket_path = unix_socket(self.url)
+        if socket_path is None:
+            return httpx.get(self.url + path, timeout=10)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url=UNIX_BASE_URL) as http:
+            return http.get(path, timeout=10)
+
     def metric(self, name: str, labels: str = "") -> float:
         """A sample's value from /metrics (0 when absent)."""
-        text = httpx.get(self.url + "/metrics").text
+        text = self.get("/metrics").text
         for line in text.splitlines():
             if line.startswith(f"{name}{{{labels}}} " if labels else f"{name} "):
                 return float(line.split()[-1])
@@ -93,7 +125,7 @@ def start_server(tmp: Path, **environment: object) -> Server:
             raise RuntimeError(f"environment exited {process.returncode}: {(tmp / 'environment.log').read_text()}")
         try:
             if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return Server(url, process, run_dir)
+                return Server(url, process.pid, run_dir, process=process)
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
@@ -107,6 +139,56 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield s
     s.process.terminate()
     s.process.wait(10)
+
+
+def docker(*args: str) -> str:
+    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """docker-compose.yml's `environment` service (profile tools) in its image, built from this checkout, with this
+    module's spec and token; reached through its Unix socket on the volume environment-socket (on the host: the
+    volume's mount point). No generator runs: the container is confined on its own."""
+    compose_bin = shutil.which("docker-compose")
+    if os.geteuid() != 0 or compose_bin is None:
+        pytest.skip("needs root and Debian's docker-compose: scripts/build-images.sh runs debootstrap and dockerd")
+    tmp = tmp_path_factory.mktemp("environment-container")
+    with (tmp / "build.log").open("w") as log:
+        built = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build-images.sh")], stdout=log, stderr=log, timeout=1800
+        )
+    assert built.returncode == 0, (tmp / "build.log").read_text()[-3000:]
+    run_dir = Path("/data/run")  # the spec's run folder: not in the container (it has no `run` volume)
+    spec = _spec(run_dir, tools=["python", "calculator"])  # environment_tools.py is not in the image
+    (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "REINFORCE_SPEC": str(tmp / "spec.yaml"), ENVIRONMENT_TOKEN_ENV: TOKEN}
+    compose = [compose_bin, "--project-name", COMPOSE_PROJECT, "--file", str(ROOT / "docker-compose.yml"),
+               "--profile", "tools"]  # fmt: skip
+    subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)  # what an interrupted run left
+    try:
+        up = subprocess.run([*compose, "up", "--detach", "environment"], env=env, capture_output=True, text=True)
+        assert up.returncode == 0, up.stderr[-3000:]
+        name = docker("ps", "--quiet", "--filter", f"label=com.docker.compose.project={COMPOSE_PROJECT}")
+        volume = docker("volume", "inspect", "--format", "{{.Mountpoint}}", f"{COMPOSE_PROJECT}_environment-socket")
+        server = Server(f"unix:{volume}/api.sock", int(docker("inspect", "--format", "{{.State.Pid}}", name)),
+                        run_dir, container=name)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while docker("inspect", "--format", "{{.State.Health.Status}}", name) != "healthy":
+            assert docker("inspect", "--format", "{{.State.Running}}", name) == "true", docker("logs", name)
+            assert time.monotonic() < deadline, f"not healthy in 120 s:\n{docker('logs', name)}"
+            time.sleep(1)
+        yield server
+    finally:
+        subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module", params=["process", pytest.param("container", marks=pytest.mark.docker)])
+def sandboxed(request: pytest.FixtureRequest) -> Server:
+    """The service the escape attempts run against: the local process (`server`), or its container."""
+    return request.getfixturevalue("server" if request.param == "process" else "container")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -223,78 +305,115 @@ def test_metrics_count_episodes_calls_errors_and_timeouts(server: Server) -> Non
 
 
 # ---- the sandbox: each escape attempt is contained ---------------------------------------------------------------
-def test_isolation_is_what_the_kernel_allows(server: Server) -> None:
-    ready = httpx.get(server.url + "/readyz").json()
-    expected = "namespaces" if os.getuid() == 0 else ("user_namespaces", "none")
+# Against the local process (`server`) and against docker-compose's container (`container`). In the container the
+# sandbox finds no namespaces (no capabilities, Docker's seccomp refuses unshare), as in the operator's pod: there
+# the container's own confinement contains what the sandbox alone would not (network, files).
+def test_isolation_is_what_the_kernel_allows(sandboxed: Server) -> None:
+    ready = sandboxed.get("/readyz").json()
+    if sandboxed.container:
+        expected: tuple[str, ...] = ("none",)
+    else:
+        expected = ("namespaces",) if os.getuid() == 0 else ("user_namespaces", "none")
     assert ready["isolation"] in expected, ready
 
 
-def test_escape_network(server: Server) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
+def host_addresses() -> list[str]:
+    """This machine's IPv4 addresses (`hostname -I`: a container's gateway, the machine's own interfaces)."""
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    return ["127.0.0.1", *(address for address in out if "." in address)]
+
+
+def test_escape_network(sandboxed: Server) -> None:
+    listener = socket.create_server(("0.0.0.0", 0))  # every address of this machine
     port = listener.getsockname()[1]
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    addresses = host_addresses() if sandboxed.container else ["127.0.0.1"]
+    code = (
+        f"import socket\nprint(sorted(name for _, name in socket.if_nameindex()))\nfor host in {addresses!r}:\n"
+        f"    try:\n        socket.create_connection((host, {port}), timeout=2)\n        print('in', host)\n"
+        "    except OSError as err:\n        print('out', host, err)"
+    )
     try:
-        out = python(server, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')")
-        if httpx.get(server.url + "/readyz").json()["isolation"] == "none":
+        out = python(sandboxed, code)
+        if sandboxed.get("/readyz").json()["isolation"] == "none" and not sandboxed.container:
             pytest.skip("no network namespace on this kernel: the sandbox's network is the host's")
-        assert out["exit_code"] == 1 and "Network is unreachable" in out["text"], out
+        interfaces, *attempts = out["text"].splitlines()
+        assert out["exit_code"] == 0 and interfaces == "['lo']", out  # no interface but loopback
+        assert len(attempts) == len(addresses) and all(line.startswith("out ") for line in attempts), out
+        if not sandboxed.container:  # its loopback is down too
+            assert all("Network is unreachable" in line for line in attempts), out
         time.sleep(0.2)
         assert not accepted
     finally:
         listener.close()
 
 
-def test_escape_write_outside_scratch(server: Server, tmp_path: Path) -> None:
-    target = tmp_path / "escaped.txt"
-    out = python(
-        server,
-        f"import os\nprint(os.listdir('.'))\nopen('own.txt', 'w').write('mine')\nprint(open('own.txt').read())\n"
-        f"open({str(target)!r}, 'w').write('escaped')",
+def test_escape_write_outside_scratch(sandboxed: Server, tmp_path: Path) -> None:
+    # the container: its image's folders and the volume folders it has no mount of; locally: a folder of this test
+    outside = ["/etc/escaped", "/opt/venv/escaped", "/data/escaped", "/escaped"] if sandboxed.container else []
+    outside.append(str(tmp_path / "escaped.txt"))
+    code = (
+        "import os\nprint(os.listdir('.'))\nopen('own.txt', 'w').write('mine')\nprint(open('own.txt').read())\n"
+        f"for path in {outside!r}:\n    try:\n        open(path, 'w').write('escaped')\n        print('wrote', path)\n"
+        "    except OSError as err:\n        print('refused', path, err.strerror)"
     )
+    out = python(sandboxed, code)
     assert out["text"].startswith("[]\nmine"), out  # an empty scratch folder, writable
-    assert out["exit_code"] == 1 and not target.exists(), out
-    tmp_write = python(server, "open('/tmp/escaped-by-sandbox', 'w').write('x')\nprint('wrote')")
-    assert not Path("/tmp/escaped-by-sandbox").exists(), tmp_write  # its /tmp is a tmpfs of its own
+    refused = [line for line in out["text"].splitlines()[2:] if line.startswith("refused ")]
+    assert out["exit_code"] == 0 and len(refused) == len(outside), out
+    if sandboxed.container:
+        assert all(line.endswith("Read-only file system") for line in refused[:-1]), out
+    assert not (tmp_path / "escaped.txt").exists(), out
+    if not sandboxed.container:  # in the container, /tmp is the scratch folders' tmpfs (the pod's emptyDir)
+        tmp_write = python(sandboxed, "open('/tmp/escaped-by-sandbox', 'w').write('x')\nprint('wrote')")
+        assert not Path("/tmp/escaped-by-sandbox").exists(), tmp_write  # its /tmp is a tmpfs of its own
 
 
-def test_escape_read_the_parents_environment_and_run_folder(server: Server) -> None:
+def test_escape_read_the_parents_environment_and_run_folder(sandboxed: Server) -> None:
     code = (
         "import os, glob\nprint(sorted(os.environ))\nfound = []\n"
         "for path in glob.glob('/proc/*/environ'):\n"
         "    try:\n        found.append(open(path, 'rb').read())\n    except OSError:\n        pass\n"
         f"print({SECRET!r}.encode() in b''.join(found), {TOKEN!r}.encode() in b''.join(found))\n"
-        f"print(os.listdir({str(server.run_dir)!r}) if os.path.isdir({str(server.run_dir)!r}) else 'gone')"
+        f"print(os.listdir({str(sandboxed.run_dir)!r}) if os.path.isdir({str(sandboxed.run_dir)!r}) else 'gone')"
     )
-    out = python(server, code)
+    out = python(sandboxed, code)
     assert out["exit_code"] == 0, out
     names, leaked, run_dir = out["text"].splitlines()
     assert names == "['HOME', 'LANG', 'PATH']" and leaked == "False False", out
     assert "checkpoint.bin" not in run_dir, out
+    if sandboxed.container:  # the container's own variables: its token, no other service's secret
+        held = {v.split("=", 1)[0] for v in json.loads(docker("inspect", "--format", "{{json .Config.Env}}",
+                                                               sandboxed.container))}  # fmt: skip
+        secrets = {name for s in launch.SERVICES.values() for name in s.credentials} | set(launch.ROLLOUT_CREDENTIALS)
+        assert held & secrets == {ENVIRONMENT_TOKEN_ENV}, held
+        assert run_dir == "gone", out
 
 
-def test_escape_fork_bomb(server: Server) -> None:
-    out = python(server, "import os\nwhile True:\n    os.fork()")
+def test_escape_fork_bomb(sandboxed: Server) -> None:
+    out = python(sandboxed, "import os\nwhile True:\n    os.fork()")
     assert out["timed_out"] or out["exit_code"] != 0, out
-    assert python(server, "print('alive')")["text"] == "alive"  # the next call runs normally
+    assert python(sandboxed, "print('alive')")["text"] == "alive"  # the next call runs normally
 
 
-def test_escape_memory_bomb(server: Server) -> None:
-    out = python(server, "x = bytearray(1 << 30)")  # 1 GiB over the 256 MB limit
+def test_escape_memory_bomb(sandboxed: Server) -> None:
+    out = python(sandboxed, "x = bytearray(1 << 30)")  # 1 GiB over the 256 MB limit
     assert out["exit_code"] == 1 and "MemoryError" in out["text"], out
+    assert python(sandboxed, "print('alive')")["text"] == "alive"
 
 
-def test_escape_infinite_loop(server: Server) -> None:
+def test_escape_infinite_loop(sandboxed: Server) -> None:
     start = time.monotonic()
-    out = python(server, "while True:\n    pass")
+    out = python(sandboxed, "while True:\n    pass")
     assert out["timed_out"] and out["text"] == f"[timeout after {TIME_LIMIT_S:g} s]", out
     assert out["signal"] == "SIGKILL" and time.monotonic() - start < TIME_LIMIT_S + 2
 
 
-def test_escape_100_mb_print(server: Server) -> None:
-    out = python(server, "import sys\nsys.stdout.write('z' * 100_000_000)\nprint('end', file=sys.stderr)")
+def test_escape_100_mb_print(sandboxed: Server) -> None:
+    out = python(sandboxed, "import sys\nsys.stdout.write('z' * 100_000_000)\nprint('end', file=sys.stderr)")
     assert out["exit_code"] == 0 and out["truncated"] and len(out["text"]) == OUTPUT_LIMIT, out
-    rss_kb = int(next(line for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines()
+    rss_kb = int(next(line for line in Path(f"/proc/{sandboxed.pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS")).split()[1])  # fmt: skip
     assert rss_kb < 400_000  # the service kept the first bytes only
 

@@ -31,6 +31,14 @@ from reinforce.core.environment_api import (
     step_path,
 )
 
+UNIX_SCHEME = "unix:"
+UNIX_BASE_URL = "http://environment"  # the Host header of requests over a Unix socket
+
+
+def unix_socket(url: str) -> str | None:
+    """The socket path of a `unix:/PATH` URL (docker-compose's environment service has no network), else None."""
+    return url.removeprefix(UNIX_SCHEME) if url.startswith(UNIX_SCHEME) else None
+
 
 class EnvironmentServiceError(RuntimeError):
     """The service refused a request (the status code and its reason) or could not be reached."""
@@ -47,9 +55,15 @@ class EpisodeLost(EnvironmentServiceError):
 class EnvironmentClient:
     def __init__(self, base_url: str, token: str, timeout_s: float = 120.0) -> None:
         """timeout_s bounds one request; a step waits for a free call slot, then for the tool's time limit."""
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
-        )
+        headers = {"Authorization": f"Bearer {token}"}
+        socket_path = unix_socket(base_url)
+        if socket_path is None:
+            self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        else:
+            transport = httpx.AsyncHTTPTransport(uds=socket_path)
+            self._http = httpx.AsyncClient(
+                transport=transport, base_url=UNIX_BASE_URL, headers=headers, timeout=timeout_s
+            )
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -1,6 +1,6 @@
 """The environment service: episodes of tools for multi-turn rollouts, behind a small authenticated HTTP API.
 
-    python -m reinforce.environment --spec RUN_DIR/spec.yaml [--host H] [--port N] [--metrics-port N]
+    python -m reinforce.environment --spec RUN_DIR/spec.yaml [--host H] [--port N] [--metrics-port N] [--uds PATH]
         (the bearer token comes from $REINFORCE_ENVIRONMENT_TOKEN, which the run's generators also hold)
 
 The API (reset, step, state, delete; bodies and status codes in reinforce/core/environment_api.py, and a client in
@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
     )
+    parser.add_argument(
+        "--uds", help="serve on this Unix socket instead of --host/--port (docker-compose: a container without network)"
+    )
     args = parser.parse_args(argv)
     token = os.environ.get(ENVIRONMENT_TOKEN_ENV)
     if not token:
@@ -381,4 +384,5 @@ def main(argv: list[str] | None = None) -> None:
     env = Environment(e, sandbox)
     if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
         start_http_server(args.metrics_port, addr=args.host, registry=env.metrics.registry)
-    uvicorn.run(create_app(env, token), host=args.host, port=args.port, log_level="warning")
+    address = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    uvicorn.run(create_app(env, token), **address, log_level="warning")
