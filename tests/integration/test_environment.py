@@ -302,6 +302,9 @@ def test_metrics_count_episodes_calls_errors_and_timeouts(server: Server) -> Non
     assert server.metric("reinforce_environment_episodes_total") == before["episodes"] + 2
     assert server.metric("reinforce_environment_tool_call_seconds_count", 'tool="python"') >= 2
     assert server.metric("reinforce_environment_turns_per_episode_count") >= 2
+    # every request counted and timed by its route (core/http_kit.py): the scrapes above among them
+    assert server.metric("reinforce_environment_requests_total", 'code="200",endpoint="/metrics"') >= 5
+    assert server.metric("reinforce_environment_request_seconds_count", 'endpoint="/metrics"') >= 5
 
 
 # ---- the sandbox: each escape attempt is contained ---------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_probes_and_metrics_are_open(http: TestClient) -> None:
     metrics = http.get(METRICS_PATH)
     assert metrics.status_code == 200
     assert "reinforce_generator_weight_version 0.0" in metrics.text
-    # the requests before this one, counted by route and code (core/bearer.py's count_requests)
+    # the requests before this one, counted by route and code (core/http_kit.py's count_requests)
     assert 'reinforce_generator_requests_total{code="200",endpoint="/healthz"} 1.0' in metrics.text
     assert 'reinforce_generator_request_seconds_count{endpoint="/readyz"} 1.0' in metrics.text
 

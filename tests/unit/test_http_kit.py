@@ -1,4 +1,4 @@
-"""core/bearer.py's request metrics: every request counted once, by route template and status code, and timed."""
+"""core/http_kit.py's request metrics: every request counted once, by route template and status code, and timed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from reinforce.core.bearer import OTHER_ENDPOINT, bearer_dependency, count_requests
+from reinforce.core.http_kit import OTHER_ENDPOINT, bearer_dependency, count_requests
 from reinforce.core.metrics import RequestMetrics
 
 TOKEN = "kit-token"

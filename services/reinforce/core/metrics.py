@@ -303,12 +303,7 @@ class EnvironmentMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        self.requests = Counter(
-            PREFIX + "environment_requests",
-            "HTTP requests by endpoint and status code.",
-            ["endpoint", "code"],
-            registry=r,
-        )
+        self.http = RequestMetrics("environment", r)
 
 
 def read_metrics(jsonl_path: Path) -> list[dict[str, float | None]]:

@@ -51,7 +51,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
 
-from reinforce.core.bearer import bearer_dependency, count_requests, read_body
+from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
 from reinforce.core.checkpoints import (
     checkpoint_folder,
     checkpoint_step,

@@ -28,14 +28,13 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 
-from reinforce.core.bearer import bearer_dependency, read_body
 from reinforce.core.environment_api import (
     EPISODES_PATH,
     MAX_REQUEST_BYTES,
@@ -50,6 +49,7 @@ from reinforce.core.environment_api import (
     StepRequest,
     StepResponse,
 )
+from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
 from reinforce.core.metrics import EnvironmentMetrics
 from reinforce.core.names import (
     ENVIRONMENT_PORT,
@@ -276,7 +276,6 @@ def _cut(text: str, limit: int) -> str:
 
 # ---- HTTP ------------------------------------------------------------------------------------------------------
 ERRORS: dict[type[Exception], int] = {NoEpisode: 404, EpisodeConflict: 409, TooManyEpisodes: 429}
-ROUTES = (EPISODES_PATH, f"{EPISODES_PATH}/{{episode_id}}", f"{EPISODES_PATH}/{{episode_id}}/step", RUN_PATH)
 
 
 @contextlib.contextmanager
@@ -304,17 +303,7 @@ def create_app(env: Environment, token: str) -> FastAPI:
     app = FastAPI(title="reinforce environment", lifespan=expiring)
     authorized = bearer_dependency(token)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        code = "500"
-        try:
-            response = await call_next(request)
-            code = str(response.status_code)
-            return response
-        finally:
-            # the route's template, so that episode ids do not become series; unknown paths share one label
-            route = getattr(request.scope.get("route"), "path", None)
-            env.metrics.requests.labels(route if route in ROUTES else "other", code).inc()
+    count_requests(app, env.metrics.http)
 
     @app.get(HEALTH_PATH)
     def healthz() -> dict:

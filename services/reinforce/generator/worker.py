@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_s
 from transformers import AutoConfig
 
 from reinforce.core import generator_api as api
-from reinforce.core.bearer import bearer_dependency, count_requests, read_capped
+from reinforce.core.http_kit import bearer_dependency, count_requests, read_capped
 from reinforce.core.environment_client import EnvironmentServiceError
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import load_tokenizer, materialize_policy
