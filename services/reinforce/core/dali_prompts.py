@@ -40,6 +40,7 @@ from reinforce.core.data import (
     prompts_fingerprint,
     read_prompt_file,
 )
+from reinforce.core.environment_api import prompt_data
 from reinforce.core.spec import DataSpec, load_spec
 
 INDEX = "index.json"
@@ -218,7 +219,7 @@ def _shard_prompts(args: argparse.Namespace) -> int:
     from reinforce.core.models import encode_prompt_checked, load_tokenizer, materialize_policy
 
     spec = load_spec(args.spec)
-    data = spec.data
+    data = prompt_data(spec)  # as the trainer encodes: the tools' instructions in the system prompt, if they go there
     prompts = read_prompt_file(data.prompts, data.on_bad_line, data.prompt_field).prompts
     with tempfile.TemporaryDirectory() as policy:  # the tokenizer, as the trainer builds it
         tokenizer = load_tokenizer(materialize_policy(spec.policy, Path(policy) / "policy", spec.seed))

@@ -2,11 +2,12 @@
 observation, done, state).
 
 Shared by the service (which validates every request with these models) and `EnvironmentClient`, so the two cannot
-drift apart. Importing it pulls in pydantic only.
+drift apart; and the tools' instructions, which the environment's reset answers and prompts carry (`prompt_data`).
+Importing it pulls in pydantic and the spec only.
 
 An episode, as a generator runs it (all /v1 requests with `Authorization: Bearer $REINFORCE_CONTROL_TOKEN`):
     POST   /v1/episodes              {"prompt": "..."}
-        -> 201 ResetResponse: episode_id, observation.text (how to call the tools: put it in the system prompt),
+        -> 201 ResetResponse: episode_id, observation.text (how to call the tools; prompt_data puts it in prompts),
            tools (JSON schemas, for a chat template's `tools=`), max_turns
     POST   /v1/episodes/{id}/step    {"action": "<the assistant turn's text, as sampled>"}
         -> 200 StepResponse: done false and the observation (the tool's output, to append as the tool's message
@@ -26,9 +27,13 @@ Errors: 401 (token), 404 (no such episode: never started, deleted, or idle past 
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from reinforce.core.spec import DataSpec, RunSpec
 
 EPISODES_PATH = "/v1/episodes"
 RUN_PATH = "/v1/run"
@@ -119,3 +124,71 @@ class RunResponse(_Body):
     timed_out: bool
     signal: str | None = Field(None, description="The signal that ended the program (SIGKILL, SIGXCPU, ...).")
     truncated: bool = Field(False, description="stdout or stderr was cut.")
+
+
+# ---- the tools' instructions, for the prompt --------------------------------------------------------------------
+# The built-in tools as they describe themselves (name, description, JSON Schema of the arguments): the environment
+# service's tool classes take these, and the trainer writes them into prompts without importing that service.
+PYTHON_TOOL: dict[str, Any] = {
+    "name": "python",
+    "description": "Runs a Python 3 program and returns what it prints (stdout, then stderr) and its exit code.",
+    "parameters": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The program; print what you need to see."}},
+        "required": ["code"],
+    },
+}
+CALCULATOR_TOOL: dict[str, Any] = {
+    "name": "calculator",
+    "description": "Evaluates an arithmetic expression: + - * / // % ** ( ), sqrt, log, exp, sin, cos, pi, e.",
+    "parameters": {
+        "type": "object",
+        "properties": {"expression": {"type": "string", "description": "For example (12.5 * 4) ** 2 - sqrt(2)"}},
+        "required": ["expression"],
+    },
+}
+BUILTIN_TOOL_SCHEMAS = {t["name"]: t for t in (PYTHON_TOOL, CALCULATOR_TOOL)}
+
+
+def tool_schema(ref: str) -> dict[str, Any]:
+    """A configured tool's name, description and parameters: a built-in's from BUILTIN_TOOL_SCHEMAS, a user tool's
+    (`module:Class`) from its class attributes, so its module must be importable where prompts are encoded too."""
+    if ref in BUILTIN_TOOL_SCHEMAS:
+        return BUILTIN_TOOL_SCHEMAS[ref]
+    module_name, _, class_name = ref.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        return {"name": cls.name, "description": cls.description, "parameters": cls.parameters}
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"environment.tools: cannot describe {ref!r} for the prompt's instructions: {err}") from None
+
+
+def tool_instructions(schemas: list[dict[str, Any]]) -> str:
+    """How to call the tools: the environment's `reset` answers it, and the prompts' system message carries it
+    (environment.tool_instructions)."""
+    lines = [
+        "You can use tools. To call one, write",
+        '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>',
+        "and stop; the tool's output comes back in the next message.",
+    ]
+    if any(s["name"] == PYTHON_TOOL["name"] for s in schemas):
+        lines.append("To run Python you can also write a ```python code block; print what you need to see.")
+    lines.append("When you have the answer, write it without a tool call. Tools:")
+    lines += [
+        f"- {s['name']}: {s['description']} Arguments: {json.dumps(s['parameters'].get('properties', {}))}"
+        for s in schemas
+    ]
+    return "\n".join(lines)
+
+
+def prompt_data(spec: RunSpec) -> DataSpec:
+    """The data settings prompts are encoded with: spec.data, with the tools' instructions appended to
+    data.system_prompt when environment.enabled, environment.tool_instructions and data.chat_template (without a
+    chat template there is no system message, as data.system_prompt has none). Every encoder of prompts (trainer,
+    validation, `reinforce generate`, `reinforce shard-prompts`) uses it, so they all encode alike."""
+    data, environment = spec.data, spec.environment
+    if not (environment.enabled and environment.tool_instructions and data.chat_template):
+        return data
+    text = tool_instructions([tool_schema(ref) for ref in environment.tools])
+    system = f"{data.system_prompt}\n\n{text}" if data.system_prompt else text
+    return data.model_copy(update={"system_prompt": system})

@@ -48,6 +48,7 @@ from reinforce.core.environment_api import (
     RunResponse,
     StepRequest,
     StepResponse,
+    tool_instructions,
 )
 from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
 from reinforce.core.metrics import EnvironmentMetrics
@@ -63,11 +64,9 @@ from reinforce.core.names import (
 from reinforce.core.spec import EnvironmentSpec, load_spec
 from reinforce.environment.sandbox import Limits, Sandbox, make_undumpable
 from reinforce.environment.tools import (
-    PythonTool,
     Tool,
     ToolContext,
     ToolError,
-    instructions,
     parse_tool_call,
     tool_class,
 )
@@ -111,7 +110,7 @@ class Environment:
         self.metrics = metrics or EnvironmentMetrics()
         self.tool_classes = [tool_class(ref) for ref in spec.tools]
         self.context = ToolContext(spec, sandbox)
-        self.instructions = instructions(self.tool_classes, python_blocks=PythonTool in self.tool_classes)
+        self.instructions = tool_instructions([cls.schema() for cls in self.tool_classes])
         self.episodes: dict[str, Episode] = {}
         self.calls = asyncio.Semaphore(spec.max_concurrent_calls)
         self._export_zeros()

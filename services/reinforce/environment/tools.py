@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from reinforce.core.environment_api import Observation
+from reinforce.core.environment_api import CALCULATOR_TOOL, PYTHON_TOOL, Observation
 from reinforce.core.spec import EnvironmentSpec
 from reinforce.environment.sandbox import RunResult, Sandbox
 
@@ -81,13 +81,9 @@ def _argument(arguments: dict[str, Any], name: str) -> str:
 
 
 class PythonTool(Tool):
-    name = "python"
-    description = "Runs a Python 3 program and returns what it prints (stdout, then stderr) and its exit code."
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {"code": {"type": "string", "description": "The program; print what you need to see."}},
-        "required": ["code"],
-    }
+    name = PYTHON_TOOL["name"]  # the built-ins' descriptions live in core: prompts carry them (prompt_data)
+    description = PYTHON_TOOL["description"]
+    parameters: ClassVar[dict[str, Any]] = PYTHON_TOOL["parameters"]
 
     async def step(self, arguments: dict[str, Any]) -> Observation:
         result = await self.context.sandbox.run(_argument(arguments, "code"))
@@ -197,13 +193,9 @@ def calculate(expression: str) -> int | float:
 
 
 class Calculator(Tool):
-    name = "calculator"
-    description = "Evaluates an arithmetic expression: + - * / // % ** ( ), sqrt, log, exp, sin, cos, pi, e."
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {"expression": {"type": "string", "description": "For example (12.5 * 4) ** 2 - sqrt(2)"}},
-        "required": ["expression"],
-    }
+    name = CALCULATOR_TOOL["name"]
+    description = CALCULATOR_TOOL["description"]
+    parameters: ClassVar[dict[str, Any]] = CALCULATOR_TOOL["parameters"]
 
     async def step(self, arguments: dict[str, Any]) -> Observation:
         value = calculate(_argument(arguments, "expression"))
@@ -267,17 +259,3 @@ def parse_tool_call(turn: str) -> ToolCall | None:
     if not isinstance(arguments, dict):
         raise ToolError('error: "arguments" must be a JSON object')
     return ToolCall(call["name"], arguments)
-
-
-def instructions(tools: list[type[Tool]], python_blocks: bool) -> str:
-    """How to call the tools, for the system prompt (the generator decides where it goes)."""
-    lines = [
-        "You can use tools. To call one, write",
-        '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>',
-        "and stop; the tool's output comes back in the next message.",
-    ]
-    if python_blocks:
-        lines.append("To run Python you can also write a ```python code block; print what you need to see.")
-    lines.append("When you have the answer, write it without a tool call. Tools:")
-    lines += [f"- {t.name}: {t.description} Arguments: {json.dumps(t.parameters['properties'])}" for t in tools]
-    return "\n".join(lines)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from transformers.utils import logging as transformers_logging
 
+from reinforce.core.environment_api import prompt_data
 from reinforce.core.models import encode_prompt
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, load_spec
@@ -53,7 +54,7 @@ def answer(
         engine = TorchEngine(paths.initial_policy, generation, num_samples=1)  # weight version 0
         if step > 0:
             engine.load_weights(weights_of_step(paths, spec, step))
-    ids = encode_prompt(engine.tokenizer, prompt, spec.data)
+    ids = encode_prompt(engine.tokenizer, prompt, prompt_data(spec))  # as the run's training prompts were
     if ids is None:
         raise SpecError(f"the prompt is longer than data.max_prompt_tokens ({spec.data.max_prompt_tokens} tokens)")
     [[response]] = engine.sample([ids], [seed], num_samples=1, temperature=temperature)

@@ -7,6 +7,7 @@ import hashlib
 from transformers import PreTrainedTokenizerBase
 
 from reinforce.core.data import DataCursor, prompt_answer
+from reinforce.core.environment_api import prompt_data
 from reinforce.core.models import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
@@ -27,6 +28,7 @@ class PromptFeeder:
         self.spec = spec
         self.cursor = cursor
         self.tokenizer = tokenizer
+        self.data = prompt_data(spec)  # data.system_prompt with the tools' instructions, when they go in prompts
         self.queue = queue
         self.in_flight: dict[int, list[Prompt]] = {}
         self.cursor_before: dict[int, dict] = {}  # data cursor before each in-flight step drew its prompts
@@ -94,9 +96,7 @@ class PromptFeeder:
         """The cursor's next `count` prompts as the step's prompts first_index, first_index + 1, ...; the data
         metrics are added to the step's."""
         k = self.spec.algorithm.num_rollouts_per_prompt
-        batch = self.cursor.take_encoded(
-            count, lambda text: encode_prompt_checked(self.tokenizer, text, self.spec.data)
-        )
+        batch = self.cursor.take_encoded(count, lambda text: encode_prompt_checked(self.tokenizer, text, self.data))
         prompts = []
         oldest_version = max(0, step - self.spec.algorithm.max_policy_lag)
         for i, (text, token_ids) in enumerate(batch.prompts, start=first_index):

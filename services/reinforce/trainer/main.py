@@ -26,6 +26,7 @@ from transformers import AutoConfig
 
 from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
 from reinforce.core.durable import write_text_atomically
+from reinforce.core.environment_api import prompt_data
 from reinforce.core.lora import LORA_FORMAT
 from reinforce.core.metrics import TrainerMetrics, read_metrics, shown
 from reinforce.core.models import load_tokenizer, materialize_policy
@@ -368,7 +369,8 @@ def open_prompt_cursor(spec: RunSpec) -> DataCursor:
     if spec.data.loader == "dali":
         from reinforce.core.dali_prompts import DaliPromptCursor
 
-        return DaliPromptCursor(spec.data.prompts, spec.seed, spec.data.shuffle, spec.data)
+        # the shards were tokenized with the tools' instructions in the system prompt, if the run puts them there
+        return DaliPromptCursor(spec.data.prompts, spec.seed, spec.data.shuffle, prompt_data(spec))
     # read_prompt_file logs how many malformed lines it skipped (on_bad_line: skip), once, here at start.
     prompts = read_prompt_file(spec.data.prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
     return PromptCursor(prompts, spec.seed, spec.data.shuffle)

@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from reinforce.core.data import prompt_answer, read_prompt_file
+from reinforce.core.environment_api import prompt_data
 from reinforce.core.models import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup
@@ -70,10 +71,11 @@ class Validator:
         texts = read_prompt_file(spec.data.validation_prompts, spec.data.on_bad_line, spec.data.prompt_field).prompts
         self.prompts: list[tuple[str, list[int]]] = []
         self.answers: list[str] = []  # each prompt's reference answer ("": none)
+        data = prompt_data(spec)  # encoded as the training prompts are
         for text in texts:
             if len(self.prompts) == spec.validation.num_prompts:
                 break
-            ids, _ = encode_prompt_checked(tokenizer, text, spec.data)
+            ids, _ = encode_prompt_checked(tokenizer, text, data)
             if ids is not None:  # on_long_prompt skip: the next one instead
                 self.prompts.append((str(text), ids))
                 self.answers.append(prompt_answer(text))
