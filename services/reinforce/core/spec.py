@@ -25,6 +25,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from reinforce.core.registry import AdvantageEstimator, AlgorithmName, BackendName, EngineName
+
 
 class SpecError(ValueError):
     """A run spec that cannot be used; the message names the file and every bad field path."""
@@ -190,12 +192,12 @@ LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
 class AlgorithmSpec(_Section):
     """REINFORCE or PPO, with a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
 
-    name: Literal["reinforce", "ppo"] = Field(
+    name: AlgorithmName = Field(
         "reinforce",
         description="reinforce: REINFORCE with a group baseline (`advantage_estimator`); ppo: PPO with the critic "
         "service (section `critic`), GAE and the clipped objective.",
     )
-    advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_plus_plus"] = Field(
+    advantage_estimator: AdvantageEstimator = Field(
         "rloo",
         description="reinforce: rloo (leave-one-out baseline of the properly-ended others), grpo (group mean and "
         "std, TRL), dr_grpo (group mean, no std division; Dr. GRPO), reinforce_plus_plus (per-token KL rewards, "
@@ -390,12 +392,6 @@ class EnvironmentSpec(_Section):
     max_turns: int = Field(
         4, ge=1, description="Assistant turns per episode; the last one's tool call is not run (the episode is done)."
     )
-    tool_instructions: bool = Field(
-        True,
-        description="Append how to call the tools (the call format, each tool's name, description and arguments) "
-        "to every prompt's system message (data.system_prompt) when data.chat_template; false: the prompts "
-        "say it themselves. A chat prompt with a system message of its own keeps that message as it is.",
-    )
     time_limit_s: float = Field(
         5.0, gt=0, le=600, description="Wall-clock limit of one tool call; past it the call is stopped: `timeout`."
     )
@@ -439,7 +435,7 @@ class EnvironmentSpec(_Section):
 class GenerationSpec(_Section):
     """Sampling by the generators."""
 
-    engine: Literal["torch", "vllm", "tensorrt_llm"] = Field(
+    engine: EngineName = Field(
         "torch",
         description="What samples: torch (the reference sampler, a KV cache in PyTorch), vllm (vLLM in the "
         "generator's process, CPU or GPU; `make install` installs its CPU build) or tensorrt_llm (TensorRT-LLM's LLM "
@@ -491,7 +487,7 @@ class LoraSpec(_Section):
 class TrainingSpec(_Section):
     """The optimisation: steps, batch, AdamW, schedule, checkpoints."""
 
-    backend: Literal["torch", "megatron"] = Field(
+    backend: BackendName = Field(
         "torch",
         description="What trains: torch (Hugging Face model, AdamW, data parallelism over torchrun ranks) or "
         "megatron (Megatron-core GPTModel of a Llama policy with tensor parallelism; the `megatron` extra).",
