@@ -392,6 +392,12 @@ class EnvironmentSpec(_Section):
     max_turns: int = Field(
         4, ge=1, description="Assistant turns per episode; the last one's tool call is not run (the episode is done)."
     )
+    tool_instructions: bool = Field(
+        True,
+        description="Append how to call the tools (the call format, each tool's name, description and arguments) "
+        "to every prompt's system message (data.system_prompt) when data.chat_template; false: the prompts "
+        "say it themselves. A chat prompt with a system message of its own keeps that message as it is.",
+    )
     time_limit_s: float = Field(
         5.0, gt=0, le=600, description="Wall-clock limit of one tool call; past it the call is stopped: `timeout`."
     )
