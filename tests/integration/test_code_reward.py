@@ -22,9 +22,9 @@ from reinforce.core import launch
 from reinforce.core.environment_client import EnvironmentClient, EnvironmentServiceError
 from reinforce.core.metrics import read_metrics
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
-from reinforce.core.reward_client import RewardClient
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CODE_TESTS_REWARD
+from reinforce.generator.reward_client import RewardClient
 from reinforce.reward.rewards import code_tests
 from reinforce.supervisor.main import CREDENTIALS
 from reinforce.supervisor.ports import free_port

@@ -22,11 +22,11 @@ from reinforce.core.generator_api import HEALTH_PATH, METRICS_PATH, READY_PATH, 
 from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, WeightVersion
-from reinforce.core.reward_client import RewardFunctionError
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
 from reinforce.core.weights import WeightServer, publish
+from reinforce.generator.reward_client import RewardFunctionError
 from reinforce.generator.worker import Generator, control_plane
 
 TOKEN = "s3cret-control-token"

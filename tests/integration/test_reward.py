@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reinforce.core.reward_client import RewardClient, RewardFunctionError, RewardServerError, backoff_s
 from reinforce.core.spec import RewardSpec
+from reinforce.generator.reward_client import RewardClient, RewardFunctionError, RewardServerError, backoff_s
 from reinforce.reward.rewards import RewardError, build_reward_fn, char_fraction, vader_reward
 from reinforce.supervisor.ports import free_port
 

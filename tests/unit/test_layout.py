@@ -68,18 +68,10 @@ def core_users() -> dict[str, set[str]]:
 
 
 CORE_MODULES = sorted(p.stem for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
-# Core modules with one user, kept in core: each is imported by generator/worker.py, whose imports the generator's
-# own rework rewrites; they move into generator/ with that change, not beside it.
-ONE_USER = {
-    "reward_client": "the generator's client of the reward server (generator/worker.py)",
-}
 
 
 @pytest.mark.parametrize("module", CORE_MODULES)
-def test_every_core_module_has_two_users_among_the_services(module):
+def test_every_core_module_has_two_users(module):
     """core holds what crosses a process boundary: a module one service alone uses belongs in that service."""
     users = core_users().get(module, set())
-    if module in ONE_USER:
-        assert len(users) == 1, f"core/{module}.py is no longer one service's: drop it from ONE_USER"
-    else:
-        assert len(users) >= 2, f"core/{module}.py is used by {sorted(users) or 'no service'}: move it there"
+    assert len(users) >= 2, f"core/{module}.py is used by {sorted(users) or 'nothing'}: move it there"

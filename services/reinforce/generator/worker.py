@@ -43,15 +43,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_s
 from transformers import AutoConfig
 
 from reinforce.core import generator_api as api
-from reinforce.core.http_kit import bearer_dependency, count_requests, read_capped
 from reinforce.core.environment_client import EnvironmentServiceError
+from reinforce.core.http_kit import bearer_dependency, count_requests, read_capped
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.relay import Relay
-from reinforce.core.reward_client import RewardClient, RewardFunctionError
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.threads import configure_threads
@@ -60,6 +59,7 @@ from reinforce.generator.engines import build_engine
 from reinforce.generator.engines.base import SampledSequence
 from reinforce.generator.engines.common import eos_token_ids
 from reinforce.generator.episodes import Episode, EpisodeRunner, ObservationFormat
+from reinforce.generator.reward_client import RewardClient, RewardFunctionError
 
 log = logging.getLogger("reinforce.generator")
 ENVIRONMENT_RETRY_S = 1.0  # after the environment service failed a batch, before it is sampled again
