@@ -40,10 +40,12 @@ def test_optional_packages_belong_to_declared_names() -> None:
     assert set(registry.BACKEND_PACKAGES) < set(registry.BACKENDS)
 
 
-def test_the_operator_has_an_image_for_every_engine() -> None:
-    """operator/children.py's default_image picks images.generator_<engine> for an engine other than torch."""
+def test_the_operator_has_an_image_for_every_engine_with_a_package() -> None:
+    """operator/children.py's default_image picks images.generator_<engine> for an engine with a package of its
+    own, images.generator for the others."""
     fields = set(Images.model_fields)
-    assert {f"generator_{engine}" for engine in registry.ENGINES if engine != "torch"} <= fields
+    assert {f"generator_{engine}" for engine in registry.ENGINE_PACKAGES} <= fields
+    assert "torch" not in registry.ENGINE_PACKAGES  # the generator image's own engine
 
 
 def test_a_missing_package_is_refused_with_how_to_install_it() -> None:

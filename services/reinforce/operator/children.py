@@ -68,6 +68,7 @@ from reinforce.core.names import (
     REWARD_LIVE_PATH,
     WEIGHTS_TOKEN_ENV,
 )
+from reinforce.core.registry import ENGINE_PACKAGES
 from reinforce.core.spec import TrainingSpec, WeightsSpec, _Section, dump_spec
 from reinforce.core.threads import OPENMP_ENVIRONMENT
 from reinforce.operator.podtemplate import strategic_merge
@@ -431,9 +432,10 @@ def _environment_resources(run: Run, settings: PodSpec) -> PodSpec:
 
 
 def default_image(run: Run, component: str) -> str:
-    """The operator's image for a component; a generator's is the one built for its engine."""
+    """The operator's image for a component; a generator's is the one built for its engine: images.generator_ENGINE
+    for an engine that needs a package of its own (core/registry.py's ENGINE_PACKAGES), images.generator else."""
     engine = run.spec.generation.engine
-    if component == COMPONENT_GENERATOR and engine != "torch":
+    if component == COMPONENT_GENERATOR and engine in ENGINE_PACKAGES:
         return getattr(run.config.images, f"generator_{engine}")
     return getattr(run.config.images, component)
 

@@ -49,7 +49,7 @@ from reinforce.core.names import (
     REDIS_URL_ENV,
     WEIGHTS_TOKEN_ENV,
 )
-from reinforce.core.optional import MissingPackage, require_engine
+from reinforce.core.optional import MissingPackage, require_backend, require_engine
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler, relay_fanout
 from reinforce.core.run_dir import RunPaths, ensure_run_id
@@ -542,6 +542,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         check_trackers(spec.logging.trackers)
         require_engine(spec.generation.engine)
+        require_backend(spec.training.backend)
     except MissingPackage as err:
         raise SpecError(f"{spec_file}: {err}") from None
     paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
