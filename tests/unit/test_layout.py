@@ -75,3 +75,43 @@ def test_every_core_module_has_two_users(module):
     """core holds what crosses a process boundary: a module one service alone uses belongs in that service."""
     users = core_users().get(module, set())
     assert len(users) >= 2, f"core/{module}.py is used by {sorted(users) or 'nothing'}: move it there"
+
+
+PROSE_KEYWORDS = {"description", "help"}  # a field's or a flag's text may name an address
+
+
+def address_literals(source: Path) -> list[int]:
+    """The lines of every string constant in code that holds 127.0.0.1 or 0.0.0.0 (docstrings, field descriptions and
+    flag help aside)."""
+    tree = ast.parse(source.read_text(), filename=str(source))
+    prose = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    prose |= {id(k.value) for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg in PROSE_KEYWORDS}
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose
+        if "127.0.0.1" in node.value or "0.0.0.0" in node.value
+    ]
+
+
+def test_addresses_come_from_names():
+    """The loopback and any-address hosts are names.LOCAL_HOST and names.ANY_HOST, never literals beside them."""
+    sources = [p for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / "core" / "names.py"]
+    hits = [f"{source.relative_to(PACKAGE)}:{line}" for source in sources for line in address_literals(source)]
+    assert hits == []
+
+
+def test_the_address_scan_sees_literals(tmp_path: Path):
+    source = tmp_path / "example.py"
+    source.write_text(
+        '"""Listens on 127.0.0.1."""\n'
+        'URL = f"http://127.0.0.1:{1}"\n'
+        'parser.add_argument("--host", default="0.0.0.0", help="default 0.0.0.0")\n'
+    )
+    assert address_literals(source) == [2, 3]

@@ -51,7 +51,6 @@ from pydantic import BaseModel
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
 
-from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
 from reinforce.core.checkpoints import (
     checkpoint_folder,
     checkpoint_step,
@@ -74,9 +73,10 @@ from reinforce.core.critic_api import (
     ValuesRequest,
     ValuesResponse,
 )
+from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
 from reinforce.core.metrics import CriticMetrics
 from reinforce.core.models import adamw, materialize_policy
-from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, HEALTH_PATH, METRICS_PATH, READY_PATH
+from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, HEALTH_PATH, LOCAL_HOST, METRICS_PATH, READY_PATH
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CriticSpec, RunSpec, load_spec
 from reinforce.core.threads import configure_threads
@@ -107,7 +107,7 @@ class CriticConfig:
     checkpoints: Path  # where /v1/checkpoint writes and where start-up resumes from
     critic: CriticSpec = field(default_factory=CriticSpec)
     keep_checkpoints: int = 2  # newest checkpoints kept (the trainer's training.keep_checkpoints)
-    host: str = "127.0.0.1"  # loopback unless asked: the bearer token is the only authentication
+    host: str = LOCAL_HOST  # loopback unless asked: the bearer token is the only authentication
     port: int = CRITIC_PORT
     seed: int = 0  # torch's RNG at start (dropout, if the model has any); a resume restores the saved state
     device: str = "cpu"
@@ -120,7 +120,7 @@ class CriticConfig:
 
     @classmethod
     def from_spec(
-        cls, spec: RunSpec, port: int = CRITIC_PORT, host: str = "127.0.0.1", device: str = "cpu"
+        cls, spec: RunSpec, port: int = CRITIC_PORT, host: str = LOCAL_HOST, device: str = "cpu"
     ) -> CriticConfig:
         paths = RunPaths(spec.resolved_run_dir())
         c, alg = spec.critic, spec.algorithm
@@ -421,7 +421,7 @@ def create_app(critic: Critic, token: str) -> FastAPI:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reinforce.critic", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    parser.add_argument("--host", default="127.0.0.1", help="Bind address (default: loopback only).")
+    parser.add_argument("--host", default=LOCAL_HOST, help=f"Bind address (default {LOCAL_HOST}: loopback only).")
     parser.add_argument("--port", type=int, default=CRITIC_PORT)
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"

@@ -62,6 +62,7 @@ from reinforce.core.names import (
     K8S_COMPONENT_LABEL,
     K8S_INSTANCE_LABEL,
     K8S_NAME_LABEL,
+    LOCAL_HOST,
     OPERATOR_APP_NAME,
     POD_NAME_ENV,
     REDIS_URL_ENV,
@@ -276,7 +277,7 @@ class Run:
 
     def host(self, component: str) -> str:
         """Where the other pods reach a component's Service (host-network: the node itself)."""
-        return "127.0.0.1" if self.host_network else f"{self.child(component)}.{self.namespace}.svc"
+        return LOCAL_HOST if self.host_network else f"{self.child(component)}.{self.namespace}.svc"
 
 
 def children(run: Run) -> list[dict[str, Any]]:
@@ -582,7 +583,11 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     )  # fmt: skip
     probe = {
         "exec": {
-            "command": ["python", "-c", _READY_BY_ORDINAL.format(base=p.generator, path=launch.GENERATOR.ready_path)]
+            "command": [
+                "python",
+                "-c",
+                _READY_BY_ORDINAL.format(host=LOCAL_HOST, base=p.generator, path=launch.GENERATOR.ready_path),
+            ]
         },
         "periodSeconds": 5,
     }
@@ -599,7 +604,7 @@ def generator_deployment(run: Run) -> dict[str, Any]:
 # (In a hostNetwork pod HOSTNAME is the node's name: the pod's name comes from the downward API, POD_NAME.)
 _READY_BY_ORDINAL = (
     "import os, urllib.request; "
-    'urllib.request.urlopen(f\'http://127.0.0.1:{{{base} + int(os.environ["POD_NAME"].rsplit("-", 1)[1])}}{path}\', '
+    'urllib.request.urlopen(f\'http://{host}:{{{base} + int(os.environ["POD_NAME"].rsplit("-", 1)[1])}}{path}\', '
     "timeout=3)"
 )
 
@@ -641,7 +646,7 @@ def trainer_service(run: Run) -> dict[str, Any]:
 def trainer_pod_address(run: Run, ordinal: int) -> str:
     """The DNS name of trainer pod `ordinal` through the headless Service (host-network: the node)."""
     if run.host_network:
-        return "127.0.0.1"
+        return LOCAL_HOST
     return f"{run.child('trainer')}-{ordinal}.{run.child('trainer')}.{run.namespace}.svc"
 
 
@@ -693,7 +698,7 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
     if pods > 1:
         # Only pod 0 (the main rank) serves metrics and weights: the others are ready while their ranks run. On the
         # node's network the pods' ports are host ports, which two pods on one node cannot both declare.
-        command = ["python", "-c", _MAIN_TRAINER_LISTENS.format(port=p.trainer_metrics)]
+        command = ["python", "-c", _MAIN_TRAINER_LISTENS.format(host=LOCAL_HOST, port=p.trainer_metrics)]
         readiness = {"exec": {"command": command}, "periodSeconds": 5}
         if run.host_network:
             ports = {}
@@ -710,7 +715,7 @@ def trainer_stateful_set(run: Run) -> dict[str, Any]:
 # Readiness of trainer pod N: pod 0 once its metrics port listens, any other pod while its container runs.
 _MAIN_TRAINER_LISTENS = (
     "import os, socket; "
-    'os.environ["POD_NAME"].endswith("-0") and socket.create_connection(("127.0.0.1", {port}), timeout=3).close()'
+    'os.environ["POD_NAME"].endswith("-0") and socket.create_connection(("{host}", {port}), timeout=3).close()'
 )
 
 

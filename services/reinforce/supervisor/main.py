@@ -261,7 +261,7 @@ class Supervisor:
             return argv
         # torchrun starts one process per rank and stops them all if one dies (then the restart policy acts)
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
-        return [*launcher, "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv[1:]]
+        return [*launcher, f"--master-addr={LOCAL_HOST}", f"--master-port={free_port()}", *argv[1:]]
 
     def start_redis(self) -> None:
         port = free_port()
@@ -271,12 +271,12 @@ class Supervisor:
         config = self.paths.redis / "redis.conf"
         config.touch(mode=0o600)
         config.write_text(
-            f"port {port}\nbind 127.0.0.1\ndir {self.paths.redis}\nrequirepass {password}\n"
+            f"port {port}\nbind {LOCAL_HOST}\ndir {self.paths.redis}\nrequirepass {password}\n"
             # Append-only file, fsync on every write: a Redis crash or restart loses nothing acknowledged.
             'appendonly yes\nappendfsync always\nsave ""\n'
         )
         c = self.component("redis", [shutil.which("redis-server") or "redis-server", str(config)])
-        url = f"redis://:{password}@127.0.0.1:{port}/0"
+        url = f"redis://:{password}@{LOCAL_HOST}:{port}/0"
         self.credentials[REDIS_URL_ENV] = url
         client = redis.Redis.from_url(url)
         self.wait_until(c, lambda: _redis_pings(client))
@@ -292,7 +292,7 @@ class Supervisor:
             self.threads.reward,
             launch.REWARD,
         )
-        url = f"http://127.0.0.1:{http}"
+        url = f"http://{LOCAL_HOST}:{http}"
         self.wait_until(c, lambda: _http_ok(url + launch.REWARD.ready_path))
         return url
 
@@ -302,7 +302,7 @@ class Supervisor:
         self.add_scrape_target(COMPONENT_CRITIC, "critic", port)
         argv = self.service_argv(launch.CRITIC, port=port)
         c = self.component(COMPONENT_CRITIC, argv, self.threads.critic, launch.CRITIC)
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{LOCAL_HOST}:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
         return url
 
@@ -312,7 +312,7 @@ class Supervisor:
         self.add_scrape_target(COMPONENT_ENVIRONMENT, COMPONENT_ENVIRONMENT, port)
         argv = self.service_argv(launch.ENVIRONMENT, port=port)
         c = self.component(COMPONENT_ENVIRONMENT, argv, service=launch.ENVIRONMENT)
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{LOCAL_HOST}:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.ENVIRONMENT.ready_path))
         return url
 
@@ -326,14 +326,14 @@ class Supervisor:
                 weights["environment_url"] = self.environment_url
             argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
             self.component(name, argv, self.threads.generator, launch.GENERATOR)
-            urls[name] = f"http://127.0.0.1:{port}"
+            urls[name] = f"http://{LOCAL_HOST}:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
             self.wait_until(c, lambda url=url: _http_ok(url + launch.GENERATOR.ready_path))
         return urls
 
     def add_scrape_target(self, component: str, instance: str, port: int) -> None:
         """List a metrics endpoint in RUN_DIR/prometheus_targets.json, for a Prometheus `file_sd_configs`."""
-        self.scrape_targets.append(file_sd_target(self.spec.name, component, instance, f"127.0.0.1:{port}"))
+        self.scrape_targets.append(file_sd_target(self.spec.name, component, instance, f"{LOCAL_HOST}:{port}"))
         self.write_scrape_targets()
 
     def write_scrape_targets(self) -> None:

@@ -14,6 +14,8 @@ import random
 import socket
 from pathlib import Path
 
+from reinforce.core.names import LOCAL_HOST
+
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PORT = 10000  # below this sit well-known and registered services
 LINUX_DEFAULT_EPHEMERAL_START = 32768
@@ -39,7 +41,7 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = LOCAL_HOST) -> int:
     """A port that binds on `host` now, lies below the ephemeral range and was not handed out before here."""
     end = ephemeral_range_start()
     if end - LOWEST_PORT < 1000:  # an unusual kernel setting leaves no room below the range: let the kernel pick

@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from reinforce.core.metrics import GENERATOR_WEIGHT_VERSION, TRAINER_STEP, read_metrics, scrape, shown
+from reinforce.core.names import LOCAL_HOST
 from reinforce.core.queue import RolloutQueue, UnreadableRecord
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import sample_steps
@@ -104,7 +105,7 @@ def _redis_state(paths: RunPaths, spec: RunSpec) -> str:
         config = dict(line.split(" ", 1) for line in lines if " " in line)
     except OSError as err:
         return f"unknown ({err})"
-    url = f"redis://:{config['requirepass']}@127.0.0.1:{config['port']}/0"
+    url = f"redis://:{config['requirepass']}@{LOCAL_HOST}:{config['port']}/0"
     client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
     try:
         queue = RolloutQueue(client, spec.name)

@@ -417,9 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         "--host", default=LOCAL_HOST, help=f"address of the metrics and weight endpoints (default {LOCAL_HOST})"
     )
     parser.add_argument("--weights-port", type=int, default=0, help="weights.transport http: port (0: any free)")
-    parser.add_argument(
-        "--advertise-host", default="127.0.0.1", help="host generators use to reach the weight endpoint"
-    )
+    parser.add_argument("--advertise-host", default=LOCAL_HOST, help="host generators use to reach the weight endpoint")
     parser.add_argument("--critic-url", help="algorithm.name ppo: base URL of the critic service")
     parser.add_argument(
         "--stay-up",
