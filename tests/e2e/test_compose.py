@@ -306,6 +306,46 @@ def test_compose_stack_in_containers_trains_the_tiny_example(tmp_path):
     assert summary.startswith(f"compose-smoke: {steps} steps in "), summary
 
 
+@needs_compose
+@pytest.mark.slow
+@pytest.mark.docker
+def test_compose_tools_stack_in_containers_trains_the_tiny_tools_example(tmp_path):
+    """Profile tools with compose/tools.yml, in containers: examples/compose-tools.yaml trains to its end, the
+    generator's episodes reaching the confined environment container over its Unix socket (the samples' tool calls
+    can have come from nowhere else)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: scripts/build-images.sh runs debootstrap and dockerd")
+    with (tmp_path / "build.log").open("w") as log:
+        built = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build-images.sh")], stdout=log, stderr=log, timeout=1800
+        )
+    assert built.returncode == 0, (tmp_path / "build.log").read_text()[-3000:]
+    spec = yaml.safe_load((EXAMPLES / "compose-tools.yaml").read_text())
+    env = {**os.environ, "REINFORCE_SPEC": str(EXAMPLES / "compose-tools.yaml"), "REINFORCE_RUN": spec["name"]}
+    if subprocess.run(["docker", "image", "inspect", "redis:7.0"], capture_output=True).returncode != 0:
+        env["REINFORCE_REDIS_IMAGE"] = "reinforce-redis:0.1.0"  # build-images.sh's, where none can be pulled
+    project = "reinforce-tools-test"
+    compose = [DOCKER_COMPOSE, "--project-name", project, "--file", str(COMPOSE), "--file", str(TOOLS_OVERRIDE),
+               "--profile", "tools"]  # fmt: skip
+    subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)  # what an interrupted run left
+    try:
+        with (tmp_path / "up.log").open("w") as log:
+            up = subprocess.run([*compose, "up", "--exit-code-from", "trainer"], env=env, stdout=log, stderr=log,
+                                timeout=1200)  # fmt: skip
+        assert up.returncode == 0, (tmp_path / "up.log").read_text()[-5000:]
+        volume = subprocess.run(["docker", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{project}_run"],
+                                capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        paths = RunPaths(Path(volume) / "run")
+        steps = [row["step"] for row in read_metrics(paths.metrics)]
+        samples = [row for step in sample_steps(paths) for row in read_samples(paths, step)]
+    finally:
+        subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True, timeout=300)
+    assert steps == list(range(1, spec["training"]["steps"] + 1))
+    called = [s for s in samples if s["tool_calls"] > 0]
+    assert called and all(s["turns"] in (1, 2) for s in called)
+    print(f"compose tools: {len(steps)} steps, {len(called)} of {len(samples)} kept samples called the calculator")
+
+
 def metrics_ports(services: dict) -> dict[str, int]:
     """Compose service -> the port its command serves /metrics on (Triton's --metrics-port, the trainer's
     --metrics-port, else the service's one --port)."""
