@@ -1,13 +1,15 @@
-"""core/http_kit.py's request metrics: every request counted once, by route template and status code, and timed."""
+"""core/http_kit.py: every request counted once, by route template and status code, and timed; the open probes."""
 
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 
-from reinforce.core.http_kit import OTHER_ENDPOINT, bearer_dependency, count_requests
+from reinforce.core.http_kit import OTHER_ENDPOINT, add_probes, bearer_dependency, count_requests
 from reinforce.core.metrics import RequestMetrics
+from reinforce.core.names import HEALTH_PATH, METRICS_PATH, READY_PATH
 
 TOKEN = "kit-token"
 
@@ -49,3 +51,24 @@ def test_requests_are_counted_by_route_template_and_code() -> None:
     assert count(registry, OTHER_ENDPOINT, "404") == 1
     seconds = registry.get_sample_value("reinforce_kit_request_seconds_count", {"endpoint": template})
     assert seconds == 5
+
+
+class Readiness(BaseModel):
+    ready: bool
+    detail_of_state: int
+
+
+def test_probes_are_open_and_not_ready_is_503() -> None:
+    registry, state = CollectorRegistry(), {"ready": True}
+    app = FastAPI()
+    count_requests(app, RequestMetrics("kit", registry))
+    add_probes(app, registry, lambda: Readiness(ready=state["ready"], detail_of_state=3), Readiness)
+    client = TestClient(app)
+    assert client.get(HEALTH_PATH).json() == {"ok": True}
+    assert client.get(READY_PATH).json() == {"ready": True, "detail_of_state": 3}
+    state["ready"] = False
+    not_ready = client.get(READY_PATH)
+    assert not_ready.status_code == 503 and not_ready.json()["ready"] is False
+    scraped = client.get(METRICS_PATH)
+    assert scraped.headers["content-type"].startswith("text/plain")
+    assert 'reinforce_kit_requests_total{code="503",endpoint="/readyz"} 1.0' in scraped.text

@@ -1,7 +1,8 @@
 """What crosses the generator's control plane: its paths and JSON bodies, as the generator serves them and as the
 weight reconciler (core/rollout.py: the supervisor's, the operator's, `reinforce rollout`) and the tests call them.
 
-Probes and metrics are open; the weight endpoints demand `Authorization: Bearer $REINFORCE_CONTROL_TOKEN`.
+Probes and metrics are open (core/http_kit.py's add_probes: GET HEALTH_PATH answers {"ok": true}); the weight
+endpoints demand `Authorization: Bearer $REINFORCE_CONTROL_TOKEN`.
 A load request is a WeightVersion in proto3 JSON (the record the trainer published in Redis), plus RELAY_SOURCES_FIELD
 when the version is relayed (core/relay.py): it stays proto JSON, not a pydantic model, so that the record's schema is
 written once, in records.proto. Importing this module pulls in pydantic and protobuf only, not torch.
@@ -38,10 +39,6 @@ _RELAY_URL = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9
 class _Response(BaseModel):
     # A caller ignores fields it does not know: a generator of a later release may answer with more.
     model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class Health(_Response):
-    ok: bool
 
 
 class Readiness(_Response):

@@ -1,5 +1,5 @@
 """What every authenticated control plane (generator, critic, environment) shares: the bearer-token check, a
-request body read with a size cap, one shape of error body and the request metrics.
+request body read with a size cap, one shape of error body, the open probes and the request metrics.
 
 Each service's token comes from its own variable (names.CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV);
 probes and metrics stay open. Every 4xx a handler answers is FastAPI's {"detail": ...}: raise HTTPException.
@@ -13,13 +13,16 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, Header, HTTPException, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reinforce.core.metrics import RequestMetrics
+from reinforce.core.names import HEALTH_PATH, METRICS_PATH, READY_PATH
 
 Body = TypeVar("Body", bound=BaseModel)
+Ready = TypeVar("Ready", bound=BaseModel)
 
 
 def bearer_dependency(token: str, what: str = "bearer token") -> Callable[[str | None], None]:
@@ -63,6 +66,26 @@ async def read_body(request: Request, model: type[Body], max_bytes: int) -> Body
         raise HTTPException(
             status_code=422, detail=json.loads(err.json(include_url=False, include_input=False))
         ) from None
+
+
+def add_probes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[], Ready], model: type[Ready]) -> None:
+    """The open routes: GET HEALTH_PATH {"ok": true} while the process serves; GET READY_PATH `ready()`'s body, 503
+    while its `ready` field is false; GET METRICS_PATH the registry in Prometheus's text format."""
+
+    def healthz() -> dict:
+        return {"ok": True}
+
+    def readyz(response: Response) -> Ready:
+        body = ready()
+        response.status_code = 200 if getattr(body, "ready", True) else 503
+        return body
+
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route(HEALTH_PATH, healthz, methods=["GET"])
+    app.add_api_route(READY_PATH, readyz, methods=["GET"], response_model=model)
+    app.add_api_route(METRICS_PATH, metrics, methods=["GET"])
 
 
 OTHER_ENDPOINT = "other"  # the endpoint label of every request that matched no route

@@ -45,8 +45,8 @@ from typing import TypeVar
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from fastapi import Depends, FastAPI, HTTPException, Request
+from prometheus_client import start_http_server
 from pydantic import BaseModel
 from safetensors.torch import load_model, save_model
 from starlette.concurrency import run_in_threadpool
@@ -73,10 +73,10 @@ from reinforce.core.critic_api import (
     ValuesRequest,
     ValuesResponse,
 )
-from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
+from reinforce.core.http_kit import add_probes, bearer_dependency, count_requests, read_body
 from reinforce.core.metrics import CriticMetrics
 from reinforce.core.models import adamw, materialize_policy
-from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, HEALTH_PATH, LOCAL_HOST, METRICS_PATH, READY_PATH
+from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CriticSpec, RunSpec, load_spec
 from reinforce.core.threads import configure_threads
@@ -382,19 +382,8 @@ def create_app(critic: Critic, token: str) -> FastAPI:
     authorized = bearer_dependency(token)
 
     count_requests(app, critic.metrics.http)
-
-    @app.get(HEALTH_PATH)
-    def healthz() -> dict:
-        return {"ok": True}
-
-    @app.get(READY_PATH)
-    def readyz() -> dict:
-        # The service starts listening only after the model is loaded and resumed: answering means ready.
-        return critic.ready().model_dump()
-
-    @app.get(METRICS_PATH)
-    def metrics() -> Response:
-        return Response(generate_latest(critic.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # The service starts listening only after the model is loaded and resumed: answering means ready.
+    add_probes(app, critic.metrics.registry, critic.ready, ReadyResponse)
 
     @app.post(VALUES_PATH, dependencies=[Depends(authorized)])
     async def values(request: Request) -> dict:

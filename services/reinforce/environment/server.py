@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from fastapi import Depends, FastAPI, HTTPException, Request
+from prometheus_client import start_http_server
 
 from reinforce.core.environment_api import (
     EPISODES_PATH,
@@ -50,16 +50,13 @@ from reinforce.core.environment_api import (
     StepResponse,
     tool_instructions,
 )
-from reinforce.core.http_kit import bearer_dependency, count_requests, read_body
+from reinforce.core.http_kit import add_probes, bearer_dependency, count_requests, read_body
 from reinforce.core.metrics import EnvironmentMetrics
 from reinforce.core.names import (
     ENVIRONMENT_PORT,
     ENVIRONMENT_TOKEN_ENV,
-    HEALTH_PATH,
     INVALID_TOOL,
     LOCAL_HOST,
-    METRICS_PATH,
-    READY_PATH,
 )
 from reinforce.core.spec import EnvironmentSpec, load_spec
 from reinforce.environment.sandbox import Limits, Sandbox, make_undumpable
@@ -303,18 +300,8 @@ def create_app(env: Environment, token: str) -> FastAPI:
     authorized = bearer_dependency(token)
 
     count_requests(app, env.metrics.http)
-
-    @app.get(HEALTH_PATH)
-    def healthz() -> dict:
-        return {"ok": True}
-
-    @app.get(READY_PATH)
-    def readyz() -> dict:
-        return env.ready().model_dump()  # listening only after the sandbox was probed: answering means ready
-
-    @app.get(METRICS_PATH)
-    def metrics() -> Response:
-        return Response(generate_latest(env.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # listening only after the sandbox was probed: answering means ready
+    add_probes(app, env.metrics.registry, env.ready, ReadyResponse)
 
     @app.post(EPISODES_PATH, status_code=201, dependencies=[Depends(authorized)])
     async def reset(request: Request) -> dict:

@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from google.protobuf.json_format import ParseError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from prometheus_client import start_http_server
 from transformers import AutoConfig
 
 from reinforce.core import generator_api as api
 from reinforce.core.environment_client import EnvironmentServiceError
-from reinforce.core.http_kit import bearer_dependency, count_requests, read_capped
+from reinforce.core.http_kit import add_probes, bearer_dependency, count_requests, read_capped
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
@@ -387,19 +387,10 @@ def control_plane(gen: Generator, token: str) -> FastAPI:
     authorized = bearer_dependency(token, "control token")
     count_requests(app, gen.metrics.http)
 
-    @app.get(api.HEALTH_PATH)
-    def healthz() -> api.Health:
-        return api.Health(ok=True)
+    def readiness() -> api.Readiness:
+        return api.Readiness(ready=not gen.stopping.is_set(), weight_version=gen.weights.loaded)
 
-    @app.get(api.READY_PATH)
-    def readyz(response: Response) -> api.Readiness:
-        ready = not gen.stopping.is_set()
-        response.status_code = 200 if ready else 503
-        return api.Readiness(ready=ready, weight_version=gen.weights.loaded)
-
-    @app.get(api.METRICS_PATH)
-    def metrics() -> Response:
-        return Response(generate_latest(gen.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    add_probes(app, gen.metrics.registry, readiness, api.Readiness)
 
     # the relay fields only from a generator that relays: a caller of an earlier release expects none
     @app.get(api.WEIGHTS_PATH, dependencies=[Depends(authorized)], response_model_exclude_unset=True)
