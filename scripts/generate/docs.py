@@ -21,7 +21,7 @@ from reinforce.core.metrics import STEP_METRICS, prometheus_name
 from reinforce.core.spec import RunSpec, markdown_table, reference_markdown, reference_rows
 from reinforce.operator.children import OperatorConfig
 from reinforce.operator.resource import ReinforceRunSpec
-from reinforce.trainer.algorithms import advantages, aggregation, dapo, ppo, reinforce
+from reinforce.trainer.algorithms import advantages, aggregation, dapo, ppo, reinforce, tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -96,7 +96,7 @@ def alerts_markdown() -> str:
 # compute them, shown as they are in the source.
 ESTIMATORS: list[tuple[str, object, int, list[Callable]]] = [
     ("REINFORCE with the RLOO baseline (`advantage_estimator: rloo`)", reinforce, 0,
-     [reinforce.kl_per_token, reinforce.sequence_kl, reinforce.rloo_baseline, reinforce.rloo_advantages,
+     [tensors.kl_per_token, tensors.sequence_kl, reinforce.rloo_baseline, reinforce.rloo_advantages,
       reinforce.policy_gradient_loss, reinforce.truncated_importance_weights]),
     ("GRPO, Dr. GRPO and REINFORCE++ (`advantage_estimator: grpo`, `dr_grpo`, `reinforce_plus_plus`)", advantages, 0,
      [advantages.group_deviations, advantages.grpo_advantages, advantages.dr_grpo_advantages,
@@ -107,7 +107,7 @@ ESTIMATORS: list[tuple[str, object, int, list[Callable]]] = [
     ("DAPO's overlong shaping and dynamic sampling (`overlong_buffer`, `dynamic_sampling`)", dapo, 0,
      [dapo.overlong_penalty, dapo.uninformative]),
     ("PPO (`algorithm.name: ppo`)", ppo, 0,
-     [ppo.token_rewards, ppo.generalized_advantages, ppo.masked_whiten, ppo.clipped_surrogate]),
+     [ppo.token_rewards, ppo.generalized_advantages, tensors.masked_whiten, ppo.clipped_surrogate]),
 ]  # fmt: skip
 
 

@@ -10,13 +10,11 @@ from reinforce.trainer.algorithms.aggregation import LossNormalizer
 from reinforce.trainer.algorithms.ppo import clipped_surrogate
 from reinforce.trainer.algorithms.reinforce import (
     importance_ratio,
-    kl_per_token,
-    masked_mean,
     policy_gradient_loss,
     rloo_advantages,
     rloo_baseline,
-    sequence_kl,
 )
+from reinforce.trainer.algorithms.tensors import kl_per_token, masked_mean, sequence_kl
 
 # d = logprobs - ref = [0.5, -0.5, (padding)]
 LOGPROBS = torch.tensor([[-1.0, -2.0, -3.0]])

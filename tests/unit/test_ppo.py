@@ -8,13 +8,8 @@ import torch
 from reinforce.core.models import token_entropy
 from reinforce.critic.value_model import critic_loss
 from reinforce.trainer.algorithms.aggregation import LossNormalizer
-from reinforce.trainer.algorithms.ppo import (
-    generalized_advantages,
-    masked_mean_var,
-    masked_whiten,
-    ppo_policy_loss,
-    token_rewards,
-)
+from reinforce.trainer.algorithms.ppo import generalized_advantages, ppo_policy_loss, token_rewards
+from reinforce.trainer.algorithms.tensors import masked_mean_var, masked_whiten
 
 INF = float("inf")
 

@@ -30,7 +30,7 @@ from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
-from reinforce.trainer.algorithms.reinforce import sequence_kl
+from reinforce.trainer.algorithms.tensors import sequence_kl
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import response_row
 from reinforce.trainer.collect import share_groups

@@ -36,7 +36,7 @@ References:
                          replay_buffer.py normalize: masked mean and uncorrected variance over the whole batch).
                          Differences: the per-token KL is the configured estimator (OpenRLHF: k1 signed by
                          default; here k1 |d| unless use_absolute_kl is off), and the variance gets + 1e-8 as
-                         in ppo.masked_whiten where OpenRLHF clamps it at 1e-8 (they differ only for var < ~1e-7).
+                         in tensors.masked_whiten where OpenRLHF clamps it at 1e-8 (they differ only for var < ~1e-7).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from reinforce.trainer.algorithms.ppo import SumOverRanks, local_sum, masked_whiten, token_rewards
+from reinforce.trainer.algorithms.ppo import token_rewards
+from reinforce.trainer.algorithms.tensors import SumOverRanks, local_sum, masked_whiten
 
 GRPO_EPS = 1e-4  # TRL's
 

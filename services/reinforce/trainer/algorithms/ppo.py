@@ -6,7 +6,7 @@ pi_ref is the frozen initial policy and V the critic. s_t is the state before y_
 sits at the same position as log pi(y_t | s_t) in `response_logprobs`. Tensors are right-padded [B, T], mask 1 on
 the n real tokens of each row.
 
-    kl_t      = kl_per_token(log pi_old(y_t), log pi_ref(y_t))      k1 |d_t| by default, as in reinforce.py
+    kl_t      = kl_per_token(log pi_old(y_t), log pi_ref(y_t))      k1 |d_t| by default (tensors.py)
     r_t       = - beta * kl_t  +  [t = n - 1] * RM(x, y)             the score lands on the last real token
     delta_t   = r_t + gamma * V(s_{t+1}) - V(s_t)                     V(s_n) = 0: nothing follows the last token
     A_t       = delta_t + gamma * lambda * A_{t+1}                    A_n = 0                           (GAE)
@@ -46,25 +46,17 @@ References, NeMo-Aligner (github.com/NVIDIA/NeMo-Aligner):
     H                 utils/ppo_utils.py calculate_entropy (from the full log-softmax, masked mean)
     L_critic          models/nlp/gpt/megatron_gpt_critic.py (loss_clip_val <= 0 turns the clipping off)
 Differences: padded positions of Â are 0 here (NeMo leaves (0 - mean) / std there; the losses mask them either
-way), and the per-token KL may be any estimator of reinforce.py, not only k1.
+way), and the per-token KL may be any estimator of tensors.py, not only k1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from reinforce.trainer.algorithms.aggregation import LossNormalizer
-
-SumOverRanks = Callable[[Tensor], Tensor]
-
-
-def local_sum(tensor: Tensor) -> Tensor:
-    """A single rank's sum over ranks: the tensor itself."""
-    return tensor
 
 
 def token_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, kl_penalty: float) -> Tensor:
@@ -103,29 +95,6 @@ def generalized_advantages(
         advantages[:, t] = running
         next_value = values[:, t]
     return advantages, advantages + values
-
-
-def masked_mean_var(values: Tensor, mask: Tensor, all_reduce: SumOverRanks = local_sum) -> tuple[Tensor, Tensor]:
-    """Mean and uncorrected (population) variance of the unmasked entries of the whole tensor, as scalars.
-
-    all_reduce sums a tensor over data-parallel ranks (`Ranks.sum_tensor`): the statistics of every rank's share.
-    """
-    mask = mask.bool()
-    count, total = all_reduce(torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()]))
-    count = count.clamp(min=1)
-    mean = total / count
-    var = all_reduce(torch.where(mask, (values - mean).square(), 0.0).sum()) / count
-    return mean, var
-
-
-def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8, all_reduce: SumOverRanks = local_sum) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the unmasked entries of the whole batch; 0 on padding.
-
-    The statistics are over every token of the tensor passed in (and of the other ranks' through all_reduce):
-    whiten the whole step's batch, not a micro-batch.
-    """
-    mean, var = masked_mean_var(values, mask, all_reduce)
-    return torch.where(mask.bool(), (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def _token_mean(values: Tensor, mask: Tensor) -> Tensor:

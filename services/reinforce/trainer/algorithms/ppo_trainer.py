@@ -48,13 +48,9 @@ from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.dapo import shaped_rewards
-from reinforce.trainer.algorithms.ppo import generalized_advantages, masked_whiten, ppo_policy_loss, token_rewards
-from reinforce.trainer.algorithms.reinforce import (
-    kl_per_token,
-    masked_mean,
-    mismatched_groups,
-    truncated_importance_weights,
-)
+from reinforce.trainer.algorithms.ppo import generalized_advantages, ppo_policy_loss, token_rewards
+from reinforce.trainer.algorithms.reinforce import mismatched_groups, truncated_importance_weights
+from reinforce.trainer.algorithms.tensors import kl_per_token, masked_mean, masked_whiten
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import (
     StepBatch,

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -66,7 +65,8 @@ from reinforce.trainer.algorithms.advantages import (
 from reinforce.trainer.algorithms.aggregation import LossNormalizer, step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.dapo import shaped_rewards
-from reinforce.trainer.algorithms.ppo import SumOverRanks, clipped_surrogate, local_sum
+from reinforce.trainer.algorithms.ppo import clipped_surrogate
+from reinforce.trainer.algorithms.tensors import KLEstimator, SumOverRanks, kl_per_token, local_sum, masked_mean
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import (
     StepBatch,
@@ -76,47 +76,6 @@ from reinforce.trainer.batch import (
     packing_metrics,
     token_lists,
 )
-
-KLEstimator = Literal["k1", "k2", "k3"]
-
-
-def masked_mean(values: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
-    """Mean of `values` where mask is 1; 0 where a row has no unmasked entry (an empty response).
-
-    Padded positions are replaced, not multiplied by 0: padding may hold inf (exp of garbage), and inf * 0 = nan.
-    """
-    mask = mask.bool()
-    return torch.where(mask, values, 0.0).sum(dim) / mask.sum(dim).clamp(min=1).to(values.dtype)
-
-
-def kl_per_token(
-    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator, use_absolute_kl: bool, clamp: float | None = None
-) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from d_t = log pi(y_t) - log pi_ref(y_t), y_t ~ pi, clamped to
-    [-clamp, clamp] (None: not clamped). One token far from the reference (k3 at d = -15: 3.3e6) would otherwise
-    outweigh a whole batch."""
-    d = logprobs - ref_logprobs
-    if estimator == "k1":
-        kl = d.abs() if use_absolute_kl else d
-    elif estimator == "k2":
-        kl = d.square() / 2
-    elif estimator == "k3":
-        kl = torch.exp(-d) - 1 + d
-    else:
-        raise ValueError(f"unknown kl_estimator {estimator!r} (expected k1, k2 or k3)")
-    return kl if clamp is None else kl.clamp(-clamp, clamp)
-
-
-def sequence_kl(
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    mask: Tensor,
-    estimator: KLEstimator,
-    use_absolute_kl: bool,
-    clamp: float | None = None,
-) -> Tensor:
-    """KL_i: the masked mean over each response's tokens of the (clamped) estimate. Shapes [B, T] -> [B]."""
-    return masked_mean(kl_per_token(logprobs, ref_logprobs, estimator, use_absolute_kl, clamp), mask)
 
 
 def rloo_baseline(rewards_with_kl: Tensor, is_end: Tensor) -> Tensor:
