@@ -22,6 +22,7 @@ MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.tx
         "tiny-ppo.yaml",
         "tiny-tools.yaml",
         "arithmetic.yaml",
+        "arithmetic-tools.yaml",
     ],
 )
 def test_examples_load_and_round_trip(name):
