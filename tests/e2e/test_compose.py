@@ -27,9 +27,16 @@ from promserver import COMPONENTS as PPO_COMPONENTS
 from promserver import PROMETHEUS, PrometheusAPI, assert_every_dashboard_query_answers, wait_until_scraped
 
 from reinforce.core import launch
+from reinforce.core.launch_flags import EnvironmentFlags
 from reinforce.core.metrics import read_metrics
 from reinforce.core.names import COMPONENTS as ALL_COMPONENTS
-from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, WEIGHTS_TOKEN_ENV
+from reinforce.core.names import (
+    CONTROL_TOKEN_ENV,
+    CRITIC_TOKEN_ENV,
+    ENVIRONMENT_TOKEN_ENV,
+    REDIS_URL_ENV,
+    WEIGHTS_TOKEN_ENV,
+)
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import read_samples, sample_steps
 from reinforce.core.spec import EnvironmentSpec
@@ -87,14 +94,19 @@ def dockerfile_cmd(service: str) -> list[str]:
     return json.loads(cmd)
 
 
-def test_compose_commands_and_probes_are_the_services_launch():
-    """Each service's command in docker-compose.yml is the one core/launch.py builds from its flags, and its
-    health check probes the launch's readiness path."""
+def test_compose_commands_and_probes_are_the_services_launch(monkeypatch: pytest.MonkeyPatch):
+    """Each service's command in docker-compose.yml is `python -m MODULE --spec SPEC` and flags its service's parser
+    reads (core/launch_flags.py), which core/launch.py writes back as the same flags; its health check probes the
+    launch's readiness path."""
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://redis:6379/0")  # as the file gives the generator and the trainer
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     for name, component in COMPONENTS.items():
         command, service = services[name]["command"], launch.SERVICES[component]
-        flags = {f.removeprefix("--").replace("-", "_"): v for f, v in zip(command[5::2], command[6::2], strict=True)}
-        assert command == service.command("python", SPEC_IN_CONTAINER, **flags), name
+        assert command[:3] == ["python", "-m", service.module], name
+        parsed = service.flags.parse(service.parser(name), command[3:])
+        assert parsed[0] == SPEC_IN_CONTAINER, name
+        again = service.command("python", SPEC_IN_CONTAINER, parsed[1])
+        assert service.flags.parse(service.parser(name), again[3:]) == parsed, name
         if service.ready_path:
             assert service.ready_path in " ".join(services[name]["healthcheck"]["test"]), name
 
@@ -137,7 +149,7 @@ def test_compose_environment_is_confined_as_the_operators_pod():
     assert env["mem_limit"] == f"{memory_mib}m"
     socket_dir = "/run/reinforce-environment"
     uds = env["command"][-1]
-    assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, uds=uds)
+    assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, EnvironmentFlags(uds=uds))
     assert uds == f"{socket_dir}/api.sock" and f"environment-socket:{socket_dir}:rw" in env["volumes"]
     assert uds in env["healthcheck"]["test"] and launch.ENVIRONMENT.ready_path in env["healthcheck"]["test"][-1]
     default = yaml.safe_load(COMPOSE.read_text())["services"]["generator-0"]

@@ -20,6 +20,7 @@ import yaml
 
 from reinforce.core import launch
 from reinforce.core.environment_client import EnvironmentClient, EnvironmentServiceError
+from reinforce.core.launch_flags import EnvironmentFlags, RewardFlags
 from reinforce.core.metrics import read_metrics
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 from reinforce.core.run_dir import RunPaths
@@ -126,10 +127,11 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
     http, grpc, metrics = free_port(), free_port(), free_port()
     logs = [tmp / "environment.log", tmp / "reward.log"]
     argvs = [
-        launch.ENVIRONMENT.command(sys.executable, str(spec_file), port=port),
+        launch.ENVIRONMENT.command(sys.executable, str(spec_file), EnvironmentFlags(port=port)),
         launch.REWARD.command(
-            sys.executable, str(spec_file), http_port=http, grpc_port=grpc, metrics_port=metrics,
-            environment_url=environment_url,
+            sys.executable, str(spec_file), RewardFlags(
+                http_port=http, grpc_port=grpc, metrics_port=metrics, environment_url=environment_url
+            ),
         ),
     ]  # fmt: skip
     processes = [

@@ -19,6 +19,7 @@ from conftest import free_port
 from runs import write_spec
 
 from reinforce.core import launch
+from reinforce.core.launch_flags import GeneratorFlags, RewardFlags
 from reinforce.core.names import CONTROL_TOKEN_ENV, REDIS_URL_ENV
 from reinforce.core.queue import GENERATORS_GROUP, RolloutQueue, connect
 from reinforce.core.records_pb2 import Prompt, WeightVersion
@@ -41,9 +42,10 @@ def spec_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def reward_url(spec_file: Path, tmp_path: Path) -> Iterator[str]:
     http, grpc, metrics = free_port(), free_port(), free_port()
-    argv = launch.REWARD.command(sys.executable, str(spec_file), http_port=http, grpc_port=grpc, metrics_port=metrics)
+    flags = RewardFlags(http_port=http, grpc_port=grpc, metrics_port=metrics)
+    argv = launch.REWARD.command(sys.executable, str(spec_file), flags)
     with (tmp_path / "reward.log").open("wb") as log:
-        proc = subprocess.Popen([*argv, "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{http}"
     wait_until(lambda: _ok(url + launch.REWARD.ready_path), 120, proc)
     yield url
@@ -69,7 +71,9 @@ def wait_until(condition, timeout_s: float, proc: subprocess.Popen | None = None
 
 def start_generator(spec_file: Path, redis_url: str, reward_url: str, name: str, log: Path) -> subprocess.Popen:
     port = free_port()
-    argv = launch.GENERATOR.command(sys.executable, str(spec_file), reward_url=reward_url, port=port, id=name)
+    argv = launch.GENERATOR.command(
+        sys.executable, str(spec_file), GeneratorFlags(reward_url=reward_url, port=port, id=name)
+    )
     env = {**os.environ, REDIS_URL_ENV: redis_url, CONTROL_TOKEN_ENV: "control-token"}
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -16,6 +16,7 @@ from runs import write_spec
 
 from reinforce.core import launch
 from reinforce.core.generator_api import WEIGHTS_PATH
+from reinforce.core.launch_flags import GeneratorFlags
 from reinforce.core.names import CONTROL_TOKEN_ENV, REDIS_URL_ENV
 
 TOKEN = "metrics-port-test-token"
@@ -33,10 +34,8 @@ def test_a_generator_serves_its_metrics_on_their_own_port_and_nothing_else_there
     tmp_path: Path, redis_url: str
 ) -> None:
     control, metrics = free_port(), free_port()
-    argv = launch.GENERATOR.command(
-        sys.executable, str(write_spec(tmp_path)), reward_url="http://127.0.0.1:9", port=control,
-        metrics_port=metrics, id="generator-0",
-    )  # fmt: skip
+    flags = GeneratorFlags(reward_url="http://127.0.0.1:9", port=control, metrics_port=metrics, id="generator-0")
+    argv = launch.GENERATOR.command(sys.executable, str(write_spec(tmp_path)), flags)
     env = {**os.environ, CONTROL_TOKEN_ENV: TOKEN, REDIS_URL_ENV: redis_url, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -38,6 +38,7 @@ from prometheus_client import start_http_server
 from generate import crd, operator_manifest
 from generate.operator_manifest import OPERATOR_NAME, OPERATOR_NAMESPACE, OPERATOR_RULES
 from reinforce.core import launch
+from reinforce.core.launch_flags import CriticFlags
 from reinforce.core.metrics import TrainerMetrics
 from reinforce.core.names import (
     COMPONENT_CRITIC,
@@ -204,7 +205,7 @@ def test_a_ppo_run_has_a_critic_and_its_trainer_calls_it() -> None:
     assert critic["replicas"] == 1 and critic["selector"]["matchLabels"][K8S_COMPONENT_LABEL] == COMPONENT_CRITIC
     assert container["image"] == "reinforce-critic:0.1.0"
     assert container["command"] == launch.CRITIC.command(
-        "python", SPEC_FILE, port=5556, metrics_port=5557, host="0.0.0.0"
+        "python", SPEC_FILE, CriticFlags(port=5556, metrics_port=5557, host="0.0.0.0")
     )
     assert container["resources"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
     assert container["readinessProbe"]["httpGet"] == {"path": launch.CRITIC.ready_path, "port": 5556}
@@ -261,8 +262,9 @@ def test_each_pod_holds_only_its_services_credentials(profile: str) -> None:
     assert CRITIC_TOKEN_ENV not in _secret_env(trainer["spec"]["template"]["spec"]["containers"][0])
 
 
-def test_host_network_profile_reaches_everything_on_the_node() -> None:
+def test_host_network_profile_reaches_everything_on_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """The single-node test cluster has no kube-proxy and no DNS: pods use the node's network."""
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://127.0.0.1:6379/0")  # the pod's, from the run's Secret
     config = OperatorConfig(profile="host-network")
     spec = ReinforceRunSpec.model_validate({**example_run(**{"generation.num_generators": 2})["spec"], "name": "t"})
     run = Run("t", "ns", "uid-1", spec, config)
@@ -274,7 +276,8 @@ def test_host_network_profile_reaches_everything_on_the_node() -> None:
     assert "--reward-url http://127.0.0.1:8000 --port $((8080 + ${POD_NAME##*-}))" in command
     assert [generator_port(run, f"t-generator-{i}") for i in range(2)] == [8080, 8081]
     trainer = objects[("StatefulSet", "t-trainer")]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert trainer[trainer.index("--advertise-host") + 1] == "127.0.0.1"
+    assert trainer[:3] == ["python", "-m", launch.TRAINER.module]
+    assert launch.TRAINER.flags.parse(launch.TRAINER.parser("trainer"), trainer[3:])[1].advertise_host == "127.0.0.1"
     url = secrets_secret(run)["stringData"]["url"]
     assert url.startswith("redis://:") and url.endswith("@127.0.0.1:6379/0")
     standard = Run("t", "ns", "uid-1", spec, OperatorConfig())

@@ -12,6 +12,7 @@ import pytest
 from test_pod_security import pod_templates, restricted_violations, run_of
 
 from reinforce.core import launch
+from reinforce.core.launch_flags import EnvironmentFlags
 from reinforce.core.names import (
     CONTROL_TOKEN_ENV,
     CRITIC_TOKEN_ENV,
@@ -70,7 +71,7 @@ def test_a_run_with_environment_gets_its_deployment_service_policy_and_token() -
     env = container(objects, "environment")
     assert env["image"] == "reinforce-environment:0.1.0"
     assert env["command"] == launch.ENVIRONMENT.command(
-        "python", SPEC_FILE, port=p.environment, metrics_port=p.environment_metrics, host="0.0.0.0"
+        "python", SPEC_FILE, EnvironmentFlags(port=p.environment, metrics_port=p.environment_metrics, host="0.0.0.0")
     )
     assert env["readinessProbe"]["httpGet"] == {"path": launch.ENVIRONMENT.ready_path, "port": p.environment}
     service = found[("Service", "tiny-environment")]["spec"]

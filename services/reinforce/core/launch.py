@@ -1,7 +1,8 @@
-"""How each service is launched: its module, its flags and its readiness probe, defined once.
+"""How each service is launched: its module, its flags (core/launch_flags.py) and its readiness probe, defined once.
 
 The local supervisor, the operator's pods, the container images' CMD and docker-compose.yml all start the
-services this way (tests/e2e/test_compose.py checks the compose file against it).
+services this way (tests/e2e/test_compose.py checks the compose file against it; tests/unit/test_launch_flags.py
+that the compose files' and the Dockerfiles' flags parse).
 
 Every service listens on 127.0.0.1 unless given `--host` (names.LOCAL_HOST): a local run is reachable from this
 machine only. Pods and containers pass `--host 0.0.0.0` (names.ANY_HOST), as their Services need.
@@ -9,46 +10,62 @@ machine only. Pods and containers pass `--host 0.0.0.0` (names.ANY_HOST), as the
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from reinforce.core import names
+from reinforce.core.launch_flags import (
+    CriticFlags,
+    EnvironmentFlags,
+    GeneratorFlags,
+    LaunchFlags,
+    RewardFlags,
+    TrainerFlags,
+)
 from reinforce.core.spec import RunSpec
 
 
 @dataclass(frozen=True)
 class Service:
     module: str  # python -m MODULE
+    flags: type[LaunchFlags]  # its command line's flags (core/launch_flags.py)
     ready_path: str | None  # HTTP readiness probe on the port named by `probe_port_flag` (None: a TCP probe)
     probe_port_flag: str
     # The environment variables of secrets it may hold, and no others: a service that is taken over (a reward
     # function's dependency, a generator's engine) gives away only these.
     credentials: tuple[str, ...] = ()
 
-    def command(self, python: str, spec_file: str, **flags: object) -> list[str]:
-        """`python -m MODULE --spec SPEC --flag value ...`: flag_name becomes --flag-name; True is a bare flag."""
-        argv = [python, "-m", self.module, "--spec", spec_file]
-        for flag, value in flags.items():
-            option = f"--{flag.replace('_', '-')}"
-            argv += [option] if value is True else [option, str(value)]
-        return argv
+    def command(self, python: str, spec_file: str, flags: LaunchFlags) -> list[str]:
+        """`python -m MODULE --spec SPEC --flag value ...` (LaunchFlags.to_argv)."""
+        if not isinstance(flags, self.flags):
+            raise TypeError(f"{self.module} takes {self.flags.__name__}, not {type(flags).__name__}")
+        return [python, "-m", self.module, "--spec", spec_file, *flags.to_argv()]
+
+    def parser(self, description: str) -> argparse.ArgumentParser:
+        """The parser of its `main`: --spec and its flags."""
+        return self.flags.parser(f"python -m {self.module}", description)
 
 
 # The environment token only when the reward runs code there (reward.function code_tests: RewardSpec.uses_environment).
 REWARD = Service(
-    "reinforce.reward", names.REWARD_READY_PATH, probe_port_flag="http_port", credentials=(names.ENVIRONMENT_TOKEN_ENV,)
-)
+    "reinforce.reward", RewardFlags, names.REWARD_READY_PATH, probe_port_flag="http_port",
+    credentials=(names.ENVIRONMENT_TOKEN_ENV,),
+)  # fmt: skip
 GENERATOR = Service(
-    "reinforce.generator", names.READY_PATH, probe_port_flag="port",
+    "reinforce.generator", GeneratorFlags, names.READY_PATH, probe_port_flag="port",
     credentials=(names.REDIS_URL_ENV, names.CONTROL_TOKEN_ENV, names.WEIGHTS_TOKEN_ENV, names.ENVIRONMENT_TOKEN_ENV),
 )  # fmt: skip
 TRAINER = Service(
-    "reinforce.trainer", None, probe_port_flag="metrics_port",
+    "reinforce.trainer", TrainerFlags, None, probe_port_flag="metrics_port",
     credentials=(names.REDIS_URL_ENV, names.WEIGHTS_TOKEN_ENV, names.CRITIC_TOKEN_ENV),
 )  # fmt: skip
-CRITIC = Service("reinforce.critic", names.READY_PATH, probe_port_flag="port", credentials=(names.CRITIC_TOKEN_ENV,))
-ENVIRONMENT = Service(
-    "reinforce.environment", names.READY_PATH, probe_port_flag="port", credentials=(names.ENVIRONMENT_TOKEN_ENV,)
+CRITIC = Service(
+    "reinforce.critic", CriticFlags, names.READY_PATH, probe_port_flag="port", credentials=(names.CRITIC_TOKEN_ENV,)
 )
+ENVIRONMENT = Service(
+    "reinforce.environment", EnvironmentFlags, names.READY_PATH, probe_port_flag="port",
+    credentials=(names.ENVIRONMENT_TOKEN_ENV,),
+)  # fmt: skip
 
 
 def holds(service: Service, credential: str, spec: RunSpec) -> bool:

@@ -31,7 +31,6 @@ One lock serialises everything that touches the model: a values request never se
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -74,6 +73,8 @@ from reinforce.core.critic_api import (
     ValuesResponse,
 )
 from reinforce.core.http_kit import add_probes, bearer_dependency, count_requests, read_body
+from reinforce.core.launch import CRITIC
+from reinforce.core.launch_flags import CriticFlags
 from reinforce.core.metrics import CriticMetrics
 from reinforce.core.models import adamw, materialize_policy
 from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, LOCAL_HOST
@@ -408,21 +409,13 @@ def create_app(critic: Critic, token: str) -> FastAPI:
 
 # ---- command line ----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reinforce.critic", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    parser.add_argument("--host", default=LOCAL_HOST, help=f"Bind address (default {LOCAL_HOST}: loopback only).")
-    parser.add_argument("--port", type=int, default=CRITIC_PORT)
-    parser.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
-    )
-    parser.add_argument("--device", default="cpu", help="torch device of the value model (cpu, cuda, ...).")
-    args = parser.parse_args(argv)
+    spec_file, args = CriticFlags.parse(CRITIC.parser(__doc__.splitlines()[0]), argv)
     token = os.environ.get(CRITIC_TOKEN_ENV)
     if not token:
         raise SystemExit(f"${CRITIC_TOKEN_ENV} must hold the critic's bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s critic %(levelname)s %(message)s")
     configure_threads()
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_file)
     config = CriticConfig.from_spec(spec, args.port, args.host, args.device)
     if spec.critic.init == "policy":
         # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns).

@@ -21,7 +21,6 @@ had, and their samples are redone.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -51,12 +50,12 @@ from reinforce.core.environment_api import (
     tool_instructions,
 )
 from reinforce.core.http_kit import add_probes, bearer_dependency, count_requests, read_body
+from reinforce.core.launch import ENVIRONMENT
+from reinforce.core.launch_flags import EnvironmentFlags
 from reinforce.core.metrics import EnvironmentMetrics
 from reinforce.core.names import (
-    ENVIRONMENT_PORT,
     ENVIRONMENT_TOKEN_ENV,
     INVALID_TOOL,
-    LOCAL_HOST,
 )
 from reinforce.core.spec import EnvironmentSpec, load_spec
 from reinforce.environment.sandbox import Limits, Sandbox, make_undumpable
@@ -335,23 +334,14 @@ def create_app(env: Environment, token: str) -> FastAPI:
 
 # ---- command line ----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reinforce.environment", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    parser.add_argument("--host", default=LOCAL_HOST, help=f"Bind address (default {LOCAL_HOST}).")
-    parser.add_argument("--port", type=int, default=ENVIRONMENT_PORT)
-    parser.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
-    )
-    parser.add_argument(
-        "--uds", help="serve on this Unix socket instead of --host/--port (docker-compose: a container without network)"
-    )
-    args = parser.parse_args(argv)
+    parser = ENVIRONMENT.parser(__doc__.splitlines()[0])
+    spec_file, args = EnvironmentFlags.parse(parser, argv)
     token = os.environ.get(ENVIRONMENT_TOKEN_ENV)
     if not token:
         parser.error(f"${ENVIRONMENT_TOKEN_ENV} must hold the environment service's bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     make_undumpable()  # before any tool runs: /proc/PID/environ (the token) unreadable to same-uid processes
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_file)
     e = spec.environment
     # In namespaces the sandbox never sees the run folder (an empty folder is mounted over it).
     sandbox = Sandbox(Limits.from_spec(e), e.max_concurrent_calls, hidden=[spec.resolved_run_dir()])

@@ -21,7 +21,6 @@ acknowledged without work. Every sample of a group comes from one version, which
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -45,10 +44,12 @@ from transformers import AutoConfig
 from reinforce.core import generator_api as api
 from reinforce.core.environment_client import EnvironmentServiceError
 from reinforce.core.http_kit import add_probes, bearer_dependency, count_requests, read_capped
+from reinforce.core.launch import GENERATOR
+from reinforce.core.launch_flags import GeneratorFlags
 from reinforce.core.metrics import GeneratorMetrics
 from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
-from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
+from reinforce.core.queue import RolloutQueue, UnreadableRecord, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.relay import Relay
 from reinforce.core.run_dir import RunPaths
@@ -428,23 +429,8 @@ def _same_record(a: WeightVersion, b: WeightVersion) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reinforce.generator", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    add_redis_url_argument(parser)
-    parser.add_argument("--reward-url", required=True, help="Triton HTTP address of the reward server")
-    parser.add_argument("--port", type=int, required=True, help="control plane port")
-    parser.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus metrics on a port of their own (0: on --port only)"
-    )
-    parser.add_argument("--host", default=LOCAL_HOST, help=f"control plane address (default {LOCAL_HOST})")
-    parser.add_argument(
-        "--weights-url", help="the run's trainer weight endpoint, http://HOST:PORT (weights.transport http)"
-    )
-    parser.add_argument("--id", required=True, help="consumer name in the prompts stream's group")
-    parser.add_argument(
-        "--environment-url", help=f"the environment service, http://HOST:PORT (its token: ${ENVIRONMENT_TOKEN_ENV})"
-    )
-    args = parser.parse_args(argv)
+    parser = GENERATOR.parser(__doc__.splitlines()[0])
+    spec_file, args = GeneratorFlags.parse(parser, argv)
     token = os.environ.get(CONTROL_TOKEN_ENV)
     if not token:
         parser.error(f"${CONTROL_TOKEN_ENV} must hold the control plane's token")
@@ -454,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_threads()
     environment = (args.environment_url, os.environ.get(ENVIRONMENT_TOKEN_ENV, "")) if args.environment_url else None
     gen = Generator(
-        load_spec(args.spec), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url, environment,
+        load_spec(spec_file), args.redis_url, args.reward_url, args.id, weights_token, args.weights_url, environment,
         relay_host=args.host,
     )  # fmt: skip
     config = uvicorn.Config(control_plane(gen, token), host=args.host, port=args.port, log_level="warning")

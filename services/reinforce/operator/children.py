@@ -46,6 +46,15 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from reinforce.core import launch
+from reinforce.core.launch_flags import (
+    CriticFlags,
+    EnvironmentFlags,
+    GeneratorFlags,
+    LaunchFlags,
+    RewardFlags,
+    ShellText,
+    TrainerFlags,
+)
 from reinforce.core.names import (
     ANY_HOST,
     COMPONENT_CRITIC,
@@ -504,9 +513,9 @@ def _http_probe(path: str, port: int, period_s: int = 5) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s}
 
 
-def _python_service(service: launch.Service, **flags: object) -> list[str]:
+def _python_service(service: launch.Service, flags: LaunchFlags) -> list[str]:
     # Services bind loopback unless told otherwise; a pod's must answer its Service (and, host-network, the node).
-    return service.command("python", SPEC_FILE, **flags, host=ANY_HOST)
+    return service.command("python", SPEC_FILE, replace(flags, host=ANY_HOST))
 
 
 def redis_service(run: Run) -> dict[str, Any]:
@@ -538,10 +547,11 @@ def reward_service(run: Run) -> dict[str, Any]:
 def reward_deployment(run: Run) -> dict[str, Any]:
     p = run.config.ports
     # reward.function code_tests runs the tests in the environment service
-    environment = {"environment_url": environment_url(run)} if run.spec.reward.uses_environment else {}
-    command = _python_service(
-        launch.REWARD, http_port=p.reward_http, grpc_port=p.reward_grpc, metrics_port=p.reward_metrics, **environment
+    environment = environment_url(run) if run.spec.reward.uses_environment else None
+    flags = RewardFlags(
+        http_port=p.reward_http, grpc_port=p.reward_grpc, metrics_port=p.reward_metrics, environment_url=environment
     )
+    command = _python_service(launch.REWARD, flags)
     volume, mount = _spec_volume(run)
     container = _container(
         run, "reward", command, {"http": p.reward_http, "grpc": p.reward_grpc, "metrics": p.reward_metrics},
@@ -558,16 +568,17 @@ def generator_deployment(run: Run) -> dict[str, Any]:
     p = run.config.ports
     reward_url = f"http://{run.host('reward')}:{p.reward_http}"
     weights_url = launch.weights_url(trainer_pod_address(run, 0), p.trainer_weights)
-    environment = {"environment_url": environment_url(run)} if run.environment else {}
+    environment = environment_url(run) if run.environment else None
     volume, mount = _spec_volume(run)
     volumes = [volume, {"name": "cache", "emptyDir": {}}]
     mounts = [mount, {"name": "cache", "mountPath": DATA_DIR}]
     replicas = run.spec.generation.num_generators
     if not run.host_network:
-        command = _python_service(
-            launch.GENERATOR, reward_url=reward_url, port=p.generator, metrics_port=p.generator_metrics,
-            id=f"$({POD_NAME_ENV})", weights_url=weights_url, **environment,
+        flags = GeneratorFlags(
+            reward_url=reward_url, port=p.generator, metrics_port=p.generator_metrics, id=f"$({POD_NAME_ENV})",
+            weights_url=weights_url, environment_url=environment,
         )  # fmt: skip
+        command = _python_service(launch.GENERATOR, flags)
         container = _container(
             run, "generator", command, {"control": p.generator, "metrics": p.generator_metrics},
             env=_service_env(run, launch.GENERATOR),
@@ -576,11 +587,12 @@ def generator_deployment(run: Run) -> dict[str, Any]:
             livenessProbe={**_http_probe(HEALTH_PATH, p.generator, 10), "initialDelaySeconds": 60},
         )  # fmt: skip
         return _deployment(run, "generator", replicas, _pod_template(run, "generator", [container], volumes))
-    port, metrics_port = (f"$(({base} + ${{POD_NAME##*-}}))" for base in (p.generator, p.generator_metrics))
-    generator = _python_service(
-        launch.GENERATOR, reward_url=reward_url, port=port, metrics_port=metrics_port, id=f"${POD_NAME_ENV}",
-        weights_url=weights_url, **environment,
+    port, metrics_port = (ShellText(f"$(({base} + ${{POD_NAME##*-}}))") for base in (p.generator, p.generator_metrics))
+    flags = GeneratorFlags(
+        reward_url=reward_url, port=port, metrics_port=metrics_port, id=f"${POD_NAME_ENV}", weights_url=weights_url,
+        environment_url=environment,
     )  # fmt: skip
+    generator = _python_service(launch.GENERATOR, flags)
     probe = {
         "exec": {
             "command": [
@@ -652,14 +664,14 @@ def trainer_pod_address(run: Run, ordinal: int) -> str:
 
 def trainer_command(run: Run) -> list[str]:
     p = run.config.ports
-    trainer = _python_service(
-        launch.TRAINER,
+    flags = TrainerFlags(
         metrics_port=p.trainer_metrics,
         weights_port=p.trainer_weights,
         advertise_host=trainer_pod_address(run, 0),
         stay_up=True,  # a StatefulSet restarts a container that exits; the operator scales the run to zero instead
-        **({"critic_url": f"http://{run.host(COMPONENT_CRITIC)}:{p.critic}"} if run.ppo else {}),
+        critic_url=f"http://{run.host(COMPONENT_CRITIC)}:{p.critic}" if run.ppo else None,
     )
+    trainer = _python_service(launch.TRAINER, flags)
     training = run.spec.training
     if training.num_ranks == 1:
         return trainer
@@ -788,7 +800,7 @@ def critic_service(run: Run) -> dict[str, Any]:
 def critic_stateful_set(run: Run) -> dict[str, Any]:
     """One critic pod (a StatefulSet: never two on the same volume, even during a rollout)."""
     port, metrics_port = run.config.ports.critic, run.config.ports.critic_metrics
-    command = _python_service(launch.CRITIC, port=port, metrics_port=metrics_port)
+    command = _python_service(launch.CRITIC, CriticFlags(port=port, metrics_port=metrics_port))
     volume, mount = _spec_volume(run)
     container = _container(
         run, COMPONENT_CRITIC, command, {"http": port, "metrics": metrics_port},
@@ -815,7 +827,7 @@ def environment_deployment(run: Run) -> dict[str, Any]:
     """One environment pod: its episodes live in its memory, so a second replica behind the Service would answer
     404 for the first one's episodes. It holds the environment token alone (launch.ENVIRONMENT.credentials)."""
     port, metrics_port = run.config.ports.environment, run.config.ports.environment_metrics
-    command = _python_service(launch.ENVIRONMENT, port=port, metrics_port=metrics_port)
+    command = _python_service(launch.ENVIRONMENT, EnvironmentFlags(port=port, metrics_port=metrics_port))
     volume, mount = _spec_volume(run)
     container = _container(
         run, COMPONENT_ENVIRONMENT, command, {"http": port, "metrics": metrics_port},

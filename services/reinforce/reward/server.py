@@ -19,7 +19,6 @@ serving.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -33,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from reinforce.core.launch import REWARD
+from reinforce.core.launch_flags import RewardFlags
 from reinforce.core.names import (
     ENVIRONMENT_TOKEN_ENV,
-    LOCAL_HOST,
     REWARD_FN_FAILED,
     REWARD_INPUT_ANSWER,
     REWARD_INPUT_PROMPT,
@@ -115,23 +115,7 @@ def make_infer_fn(reward_fn: RewardFn) -> Any:
     return infer
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m reinforce.reward", description=__doc__.split("\n")[0])
-    parser.add_argument("--spec", required=True, help="Run spec YAML; its `reward:` section is served.")
-    parser.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port.")
-    parser.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port.")
-    parser.add_argument("--metrics-port", type=int, default=8002, help="Triton Prometheus metrics port.")
-    parser.add_argument(
-        "--host", default=LOCAL_HOST, help=f"Address Triton binds HTTP, gRPC and metrics to (default {LOCAL_HOST})."
-    )
-    parser.add_argument(
-        "--environment-url", help="The environment service, where reward.function code_tests runs the tests."
-    )
-    parser.add_argument("--log-level", default="INFO", help="Python log level.")
-    return parser.parse_args(argv)
-
-
-def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> Any:
+def _triton(spec: RewardSpec, reward_fn: RewardFn, args: RewardFlags) -> Any:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
@@ -164,7 +148,7 @@ def _triton(spec: RewardSpec, reward_fn: RewardFn, args: argparse.Namespace) -> 
     return triton
 
 
-def serve(spec: RewardSpec, args: argparse.Namespace) -> int:
+def serve(spec: RewardSpec, args: RewardFlags) -> int:
     token = os.environ.get(ENVIRONMENT_TOKEN_ENV)
     environment = (args.environment_url, token) if args.environment_url and token else None
     reward_fn = build_reward_fn(spec, environment)
@@ -194,7 +178,7 @@ def serve(spec: RewardSpec, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    spec_file, args = RewardFlags.parse(REWARD.parser(__doc__.split("\n")[0]), argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -202,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     configure_threads()  # before a reward function imports torch (hf_classifier), which then reads it
     try:
-        spec = load_spec(args.spec).reward
+        spec = load_spec(spec_file).reward
         return serve(spec, args)
     except (SpecError, RewardError, StartupError) as err:
         # Configuration and environment errors: one clear line, no traceback, a non-zero exit.

@@ -34,6 +34,14 @@ from reinforce.core.checkpoints import ForeignCheckpoint, refuse_foreign_checkpo
 from reinforce.core.dali_prompts import read_shard_index
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.durable import write_text_atomically
+from reinforce.core.launch_flags import (
+    CriticFlags,
+    EnvironmentFlags,
+    GeneratorFlags,
+    LaunchFlags,
+    RewardFlags,
+    TrainerFlags,
+)
 from reinforce.core.metrics import file_sd_target, read_metrics, shown
 from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
@@ -246,16 +254,14 @@ class Supervisor:
                 raise RunFailed(f"component {what.name} not ready after {READY_TIMEOUT_S}s; log {what.log_path}")
             time.sleep(0.2)
 
-    def service_argv(self, service: launch.Service, **flags: object) -> list[str]:
-        return service.command(sys.executable, str(self.paths.spec), **flags)
+    def service_argv(self, service: launch.Service, flags: LaunchFlags) -> list[str]:
+        return service.command(sys.executable, str(self.paths.spec), flags)
 
     def trainer_argv(self, critic_url: str | None) -> list[str]:
         metrics_port = free_port()
         self.add_scrape_target(COMPONENT_TRAINER, "trainer", metrics_port)
-        flags = {"critic_url": critic_url} if critic_url else {}
-        if self.weights_port:
-            flags["weights_port"] = self.weights_port
-        argv = self.service_argv(launch.TRAINER, metrics_port=metrics_port, **flags)
+        flags = TrainerFlags(metrics_port=metrics_port, weights_port=self.weights_port or 0, critic_url=critic_url)
+        argv = self.service_argv(launch.TRAINER, flags)
         ranks = self.spec.training.num_ranks
         if ranks == 1:
             return argv
@@ -285,10 +291,11 @@ class Supervisor:
         http, grpc, metrics = free_port(), free_port(), free_port()
         self.add_scrape_target(COMPONENT_REWARD, "reward", metrics)
         # reward.function code_tests runs the tests in the environment service (started before it)
-        environment = {"environment_url": self.environment_url} if self.spec.reward.uses_environment else {}
+        environment_url = self.environment_url if self.spec.reward.uses_environment else None
+        flags = RewardFlags(http_port=http, grpc_port=grpc, metrics_port=metrics, environment_url=environment_url)
         c = self.component(
             "reward",
-            self.service_argv(launch.REWARD, http_port=http, grpc_port=grpc, metrics_port=metrics, **environment),
+            self.service_argv(launch.REWARD, flags),
             self.threads.reward,
             launch.REWARD,
         )
@@ -300,7 +307,7 @@ class Supervisor:
         """PPO's critic service; its port also serves its metrics."""
         port = free_port()
         self.add_scrape_target(COMPONENT_CRITIC, "critic", port)
-        argv = self.service_argv(launch.CRITIC, port=port)
+        argv = self.service_argv(launch.CRITIC, CriticFlags(port=port))
         c = self.component(COMPONENT_CRITIC, argv, self.threads.critic, launch.CRITIC)
         url = f"http://{LOCAL_HOST}:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.CRITIC.ready_path))
@@ -310,7 +317,7 @@ class Supervisor:
         """The environment service (environment.enabled); its port also serves its metrics."""
         port = free_port()
         self.add_scrape_target(COMPONENT_ENVIRONMENT, COMPONENT_ENVIRONMENT, port)
-        argv = self.service_argv(launch.ENVIRONMENT, port=port)
+        argv = self.service_argv(launch.ENVIRONMENT, EnvironmentFlags(port=port))
         c = self.component(COMPONENT_ENVIRONMENT, argv, service=launch.ENVIRONMENT)
         url = f"http://{LOCAL_HOST}:{port}"
         self.wait_until(c, lambda: _http_ok(url + launch.ENVIRONMENT.ready_path))
@@ -321,10 +328,11 @@ class Supervisor:
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
             self.add_scrape_target(COMPONENT_GENERATOR, name, port)
-            weights = {"weights_url": launch.weights_url(LOCAL_HOST, self.weights_port)} if self.weights_port else {}
-            if self.environment_url:
-                weights["environment_url"] = self.environment_url
-            argv = self.service_argv(launch.GENERATOR, reward_url=reward_url, port=port, id=name, **weights)
+            weights_url = launch.weights_url(LOCAL_HOST, self.weights_port) if self.weights_port else None
+            flags = GeneratorFlags(
+                reward_url=reward_url, port=port, id=name, weights_url=weights_url, environment_url=self.environment_url
+            )
+            argv = self.service_argv(launch.GENERATOR, flags)
             self.component(name, argv, self.threads.generator, launch.GENERATOR)
             urls[name] = f"http://{LOCAL_HOST}:{port}"
         for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):

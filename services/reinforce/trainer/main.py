@@ -9,7 +9,6 @@ trainer publishes version s + 1 before it enqueues the prompts of step s + 1.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -27,11 +26,13 @@ from transformers import AutoConfig
 from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.environment_api import prompt_data
+from reinforce.core.launch import TRAINER
+from reinforce.core.launch_flags import TrainerFlags
 from reinforce.core.lora import LORA_FORMAT
 from reinforce.core.metrics import TrainerMetrics, read_metrics, shown
 from reinforce.core.models import load_tokenizer, materialize_policy
-from reinforce.core.names import LOCAL_HOST, WEIGHTS_TOKEN_ENV
-from reinforce.core.queue import RolloutQueue, add_redis_url_argument, connect
+from reinforce.core.names import WEIGHTS_TOKEN_ENV
+from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.samples import discard_samples_after
 from reinforce.core.spec import RunSpec, load_spec
@@ -409,27 +410,11 @@ def _mean(values: list[float] | list[int]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reinforce.trainer", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="resolved run spec (RUN_DIR/spec.yaml)")
-    add_redis_url_argument(parser)
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
-    parser.add_argument(
-        "--host", default=LOCAL_HOST, help=f"address of the metrics and weight endpoints (default {LOCAL_HOST})"
-    )
-    parser.add_argument("--weights-port", type=int, default=0, help="weights.transport http: port (0: any free)")
-    parser.add_argument("--advertise-host", default=LOCAL_HOST, help="host generators use to reach the weight endpoint")
-    parser.add_argument("--critic-url", help="algorithm.name ppo: base URL of the critic service")
-    parser.add_argument(
-        "--stay-up",
-        action="store_true",
-        help="after the last step keep serving metrics and weights until SIGTERM (on Kubernetes, where a container "
-        "that exits is restarted, and generators still fetch the final weights from this one)",
-    )
-    args = parser.parse_args(argv)
+    spec_file, args = TrainerFlags.parse(TRAINER.parser(__doc__.splitlines()[0]), argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per critic request
     configure_threads()
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_file)
     ranks = Ranks.from_environment(spec.training.tensor_parallel * spec.training.pipeline_parallel)
     trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)
     if spec.weights.transport == "http" and ranks.is_main:
