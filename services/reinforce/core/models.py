@@ -576,8 +576,9 @@ def _accumulate(totals: list[torch.Tensor | None], wanted: Iterable[bool], grads
     for i, want in enumerate(wanted):
         if want:
             grad = next(chunk_grads)
-            grad = grad.to(torch.promote_types(grad.dtype, torch.float32))  # no copy when already float32
-            totals[i] = grad if totals[i] is None else totals[i].add_(grad)
+            # The first chunk's in float32 (no copy when it is); the next add into it without a float32 copy.
+            first = totals[i] is None
+            totals[i] = grad.to(torch.promote_types(grad.dtype, torch.float32)) if first else totals[i].add_(grad)
 
 
 def _autocast_state(device_type: str) -> dict:
