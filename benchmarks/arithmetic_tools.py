@@ -5,11 +5,11 @@
 RUN_DIR is a finished run of examples/arithmetic-tools.yaml. On its validation prompts (operand pairs it never
 trained on) the initial policy and the final model each run episodes through the real environment service
 (`python -m reinforce.environment` with the run's spec, its sandboxed python tool) and the generator's own episode
-loop (generator/episodes.py) with the torch engine: greedily once and `--samples` times per prompt at the run's
-generation.temperature, with the run's prompt encoding (the tools' instructions in the system message) and
-max_new_tokens. An episode is right when math_answer says so of its whole text, the tool's output included, as the
-run's reward scores it. Prints the table, saves benchmarks/results/arithmetic_tools.json and writes the "Arithmetic
-with the python tool" section of BENCHMARKS.md.
+loop (generator/episodes.py) with the run's engine (generation.engine and dtype): greedily once and `--samples`
+times per prompt at the run's generation.temperature, with the run's prompt encoding (the tools' instructions in the
+system message) and max_new_tokens. An episode is right when math_answer says so of its whole text, the tool's
+output included, as the run's reward scores it. Prints the table, saves benchmarks/results/arithmetic_tools.json
+and writes the "Arithmetic with the python tool" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from reinforce.core.models import encode_prompt, load_tokenizer
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
+from reinforce.generator.engines import build_engine
 from reinforce.generator.engines.common import eos_token_ids
-from reinforce.generator.engines.torch_engine import TorchEngine
 from reinforce.generator.episodes import Episode, EpisodeRunner, ObservationFormat
 from reinforce.reward.rewards import math_answer
 from reinforce.supervisor.ports import free_port
@@ -62,8 +62,8 @@ def start_environment(spec_file: Path, log: Path) -> tuple[subprocess.Popen[byte
 
 
 def episode_runner(folder: Path, spec: RunSpec, url: str) -> EpisodeRunner:
-    """The generator's episode loop (as generator/worker.py builds it) around a torch engine of `folder`."""
-    engine = TorchEngine(folder, spec.generation, num_samples=1)
+    """The generator's episode loop (as generator/worker.py builds it) around the run's engine, loading `folder`."""
+    engine = build_engine(spec.generation, folder, num_samples=1)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, AutoConfig.from_pretrained(folder, local_files_only=True), tokenizer)
     return EpisodeRunner(engine, ObservationFormat(tokenizer, spec.data.chat_template, eos), url, TOKEN)
@@ -119,7 +119,8 @@ def render(results: dict) -> str:
         "The prompts ask for Python code (`Write Python code to compute A * B, then give the number.`): asked "
         "`What is A * B? Answer with the number only.`, with the same tool instructions in the system message, the "
         "initial policy called the tool in none of 160 episodes (32 prompts, greedy and 4 sampled at temperature 1, "
-        "96 tokens), so RL had nothing to reinforce. It writes ```` ```python ```` blocks, never `<tool_call>` JSON.",
+        "96 tokens), so RL had nothing to reinforce. Asked for code it writes ```` ```python ```` blocks; no "
+        "episode here held `<tool_call>` JSON.",
         "",
         "| model | greedy accuracy | greedy tool calls | greedy ended | sampled accuracy | sampled tool calls "
         "| sampled calling | sampled ended |",

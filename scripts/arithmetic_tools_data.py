@@ -1,5 +1,5 @@
-"""Writes examples/data/arithmetic-tools-{train,validation}.jsonl: 3-digit by 3-digit multiplication, which
-SmolLM2-135M-Instruct cannot do in its head, for examples/arithmetic-tools.yaml.
+"""Writes examples/data/arithmetic-tools-train.jsonl and examples/data/arithmetic-tools-validation.jsonl: 3-digit
+by 3-digit multiplication, which SmolLM2-135M-Instruct cannot do in its head, for examples/arithmetic-tools.yaml.
 
     python scripts/arithmetic_tools_data.py
 
