@@ -17,48 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from environment import TOKEN, start_environment
 from sections import write_section
 from transformers import AutoConfig
 
 from reinforce.core.data import prompt_answer, read_prompt_file
 from reinforce.core.environment_api import prompt_data
 from reinforce.core.models import encode_prompt, load_tokenizer
-from reinforce.core.names import ENVIRONMENT_TOKEN_ENV, LOCAL_HOST
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.generator.engines import build_engine
 from reinforce.generator.engines.common import eos_token_ids
 from reinforce.generator.episodes import Episode, EpisodeRunner, ObservationFormat
 from reinforce.reward.rewards import math_answer
-from reinforce.supervisor.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "arithmetic_tools.json"
 HEADING = "## Arithmetic with the python tool"
-TOKEN = "benchmark-token"
-
-
-def start_environment(spec_file: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """The environment service on a free port, with the run's spec (its tools and limits)."""
-    port = free_port()
-    env = {**os.environ, ENVIRONMENT_TOKEN_ENV: TOKEN}
-    argv = [sys.executable, "-m", "reinforce.environment", "--spec", str(spec_file), "--port", str(port)]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
-    url = f"http://{LOCAL_HOST}:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"the environment service did not start: {log.read_text()}")
 
 
 def episode_runner(folder: Path, spec: RunSpec, url: str) -> EpisodeRunner:

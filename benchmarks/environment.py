@@ -28,7 +28,7 @@ import yaml
 from sections import write_section
 
 from reinforce.core.environment_client import EnvironmentClient
-from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
+from reinforce.core.names import ENVIRONMENT_TOKEN_ENV, LOCAL_HOST
 from reinforce.supervisor.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +51,16 @@ def start_server(work: Path, concurrency: int) -> tuple[subprocess.Popen[bytes],
     }
     spec_file = work / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
+    return start_environment(spec_file, work / "server.log")
+
+
+def start_environment(spec_file: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The environment service on a free port, with the spec's tools and limits; its bearer token is TOKEN."""
     port = free_port()
     env = {**os.environ, ENVIRONMENT_TOKEN_ENV: TOKEN}
     argv = [sys.executable, "-m", "reinforce.environment", "--spec", str(spec_file), "--port", str(port)]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=(work / "server.log").open("wb"))
-    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    url = f"http://{LOCAL_HOST}:{port}"
     for _ in range(600):
         try:
             if httpx.get(url + "/readyz", timeout=1).status_code == 200:
@@ -63,7 +68,7 @@ def start_server(work: Path, concurrency: int) -> tuple[subprocess.Popen[bytes],
         except httpx.HTTPError:
             time.sleep(0.1)
     process.kill()
-    raise RuntimeError(f"the environment service did not start: {(work / 'server.log').read_text()}")
+    raise RuntimeError(f"the environment service did not start: {log.read_text()}")
 
 
 async def measure(url: str, action: str, calls: int, concurrency: int) -> dict:
