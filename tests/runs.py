@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -95,6 +96,18 @@ def service_pids(run_dir: Path, module: str = "", name: str = "") -> list[int]:
     pattern = f"{module}.*{run_dir}/spec.yaml.*{name}"
     found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     return [int(pid) for pid in found]
+
+
+def service_of(process: psutil.Process) -> str:
+    """`reinforce.generator` and the like for the run's Python services; the program's name for anything else."""
+    argv = process.cmdline()
+    return argv[argv.index("-m") + 1] if "-m" in argv else process.name()
+
+
+def flag(process: psutil.Process, name: str) -> str:
+    """The value given to a process's command-line flag `name`."""
+    argv = process.cmdline()
+    return argv[argv.index(name) + 1]
 
 
 def redis_pid(run_dir: Path) -> int:

@@ -29,7 +29,7 @@ from reinforce.generator.reward_client import RewardClient
 from reinforce.reward.rewards import code_tests
 from reinforce.supervisor.main import CREDENTIALS
 from reinforce.supervisor.ports import free_port
-from tests.runs import EXAMPLES, assert_reward_rose, start, wait_for_step, write_spec
+from tests.runs import EXAMPLES, assert_reward_rose, flag, service_of, start, wait_for_step, write_spec
 
 TOKEN = "code-reward-test-token"
 TIME_LIMIT_S = 2.0
@@ -60,16 +60,6 @@ SOLUTIONS = {
     # a failed test's exit code 1 turned into 0 by an exit handler
     "atexit exits 0": (answer("import atexit, os\natexit.register(os._exit, 0)\ndef add(a, b):\n    return 0\n"), 0.0),
 }  # fmt: skip
-
-
-def service_of(process: psutil.Process) -> str:
-    argv = process.cmdline()
-    return argv[argv.index("-m") + 1] if "-m" in argv else process.name()
-
-
-def flag(process: psutil.Process, name: str) -> str:
-    argv = process.cmdline()
-    return argv[argv.index(name) + 1]
 
 
 def _spec(run_dir: Path) -> dict:

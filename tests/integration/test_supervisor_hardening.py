@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 import redis
-from runs import assert_each_step_trained_once, reinforce, start, wait_for_step, write_spec
+from runs import assert_each_step_trained_once, flag, reinforce, service_of, start, wait_for_step, write_spec
 
 from reinforce.core.checkpoints import list_checkpoints
 from reinforce.core.metrics import read_metrics
@@ -143,17 +143,6 @@ CREDENTIALS = (REDIS_URL_ENV, CONTROL_TOKEN_ENV, WEIGHTS_TOKEN_ENV, CRITIC_TOKEN
 
 def held_credentials(process: psutil.Process) -> dict[str, str]:
     return {name: value for name, value in process.environ().items() if name in CREDENTIALS}
-
-
-def service_of(process: psutil.Process) -> str:
-    """`reinforce.generator` and the like for the run's Python services; the program's name for anything else."""
-    argv = process.cmdline()
-    return argv[argv.index("-m") + 1] if "-m" in argv else process.name()
-
-
-def flag(process: psutil.Process, name: str) -> str:
-    argv = process.cmdline()
-    return argv[argv.index(name) + 1]
 
 
 def test_each_service_holds_only_its_credentials_and_garbage_in_the_weights_key_is_ridden_out(tmp_path: Path) -> None:
