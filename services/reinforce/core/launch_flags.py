@@ -122,7 +122,7 @@ class GeneratorFlags(LaunchFlags):
     weights_url: str | None = flag("the run's trainer weight endpoint, http://HOST:PORT (weights.transport http)", None)
     id: str = flag("consumer name in the prompts stream's group")
     environment_url: str | None = flag(
-        f"the environment service, http://HOST:PORT (its token: ${ENVIRONMENT_TOKEN_ENV})", None
+        f"the environment service, http://HOST:PORT or unix:/SOCKET (its token: ${ENVIRONMENT_TOKEN_ENV})", None
     )
 
 
