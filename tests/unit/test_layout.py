@@ -115,3 +115,13 @@ def test_the_address_scan_sees_literals(tmp_path: Path):
         'parser.add_argument("--host", default="0.0.0.0", help="default 0.0.0.0")\n'
     )
     assert address_literals(source) == [2, 3]
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test modules by their file name (the test folders are not packages), so a second
+    tests/*/test_x.py is a collection error that stops the whole run, as CI once found."""
+    tests = Path(__file__).resolve().parents[1]
+    names: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}
