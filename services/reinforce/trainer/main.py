@@ -97,8 +97,13 @@ class Trainer:
         self.paths = RunPaths(spec.resolved_run_dir())
         self.run_id = ensure_run_id(self.paths) if self.ranks.is_main else ""  # named by checkpoint manifests
         # A pod has no supervisor to prepare it (locally this finds the supervisor's folder and returns);
-        # before seeding, so that building it leaves the trainer's random state as it would be otherwise.
-        materialize_policy(spec.policy, self.paths.initial_policy, spec.seed)
+        # before seeding, so that building it leaves the trainer's random state as it would be otherwise. The main
+        # process alone writes it, the others wait: once a process group exists, transformers' save_pretrained
+        # writes a model's weights from rank 0 only, so another rank's build lacks them, and trainer pods that
+        # share the data volume could rename that folder into place.
+        if self.ranks.is_main:
+            materialize_policy(spec.policy, self.paths.initial_policy, spec.seed)
+        self.ranks.barrier()
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(self.paths.initial_policy)
         self.backend = build_backend(spec.training, self.paths.initial_policy, self.ranks)
