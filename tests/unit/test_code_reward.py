@@ -1,6 +1,7 @@
 """The built-in code-checking reward (reward/rewards.py code_tests) in parts that need no environment service: which
 code of a response counts, what the test program does with hand-written solutions (run here by a plain interpreter;
-tests/integration/test_code_reward_server.py runs them in the sandbox), and what the spec and the launchers require of it."""
+tests/integration/test_code_reward_server.py runs them in the sandbox), and what the spec and the launchers require
+of it."""
 
 from __future__ import annotations
 
