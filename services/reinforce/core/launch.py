@@ -68,15 +68,21 @@ ENVIRONMENT = Service(
 )  # fmt: skip
 
 
-def holds(service: Service, credential: str, spec: RunSpec) -> bool:
-    """Whether `service` gets `credential` in a run of `spec`: one of its credentials, of a service the run has."""
-    if credential not in service.credentials:
-        return False
+def opened(credential: str, spec: RunSpec) -> bool:
+    """Whether a run of `spec` has the service a credential opens: a critic (ppo), an environment service."""
     if credential == names.CRITIC_TOKEN_ENV:
         return spec.algorithm.name == "ppo"
     if credential == names.ENVIRONMENT_TOKEN_ENV:
-        return spec.environment.enabled and (service is not REWARD or spec.reward.uses_environment)
+        return spec.environment.enabled
     return True
+
+
+def holds(service: Service, credential: str, spec: RunSpec) -> bool:
+    """Whether `service` gets `credential` in a run of `spec`: one of its credentials, of a service the run has."""
+    if credential not in service.credentials or not opened(credential, spec):
+        return False
+    # the reward server runs code in the environment service only for reward.function code_tests
+    return service is not REWARD or credential != names.ENVIRONMENT_TOKEN_ENV or spec.reward.uses_environment
 
 
 # `reinforce rollout` (the weight reconciler of docker compose; the supervisor and the operator run it in-process)

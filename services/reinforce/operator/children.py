@@ -327,7 +327,7 @@ def spec_config_map(run: Run) -> dict[str, Any]:
 def secrets_secret(run: Run) -> dict[str, Any]:
     """Fresh random values: the operator creates this once and never replaces it (see CREATE_ONLY). One token per
     capability (SECRET_KEYS); each pod's environment takes only its service's (launch.Service.credentials)."""
-    values = {key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if _needs(run, name)}
+    values = {key: secrets.token_urlsafe(24) for name, key in SECRET_KEYS.items() if launch.opened(name, run.spec)}
     if run.spec.kubernetes.external_redis_secret is None:
         password = secrets.token_urlsafe(24)
         values["redis-password"] = password
@@ -388,13 +388,6 @@ def _service(run: Run, component: str, ports: dict[str, int], headless: bool = F
 
 def _env_from_secret(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
-
-
-def _needs(run: Run, credential: str) -> bool:
-    """Whether the run has the service a credential opens: a critic (ppo), an environment service."""
-    if credential == CRITIC_TOKEN_ENV:
-        return run.ppo
-    return credential != ENVIRONMENT_TOKEN_ENV or run.spec.environment.enabled
 
 
 def _credential_env(run: Run, service: launch.Service) -> list[dict[str, Any]]:
