@@ -45,14 +45,16 @@ def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             _wait_for_ping(url, proc)
             return proc, url
         except RuntimeError:
-            _stop(proc)
+            stop_process(proc)
     raise RuntimeError(f"could not start redis-server; see {workdir / 'redis.log'}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()  # SIGTERM: redis shuts down cleanly, and with --save "" it writes nothing
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM (redis shuts down cleanly, and with --save "" writes nothing; a service drains), then SIGKILL after
+    `timeout_s`; returns once the process is reaped."""
+    proc.terminate()
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -65,7 +67,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture
@@ -118,7 +120,7 @@ def tiny_ppo_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_head32_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny example's random Llama with one head of size 32: the smallest shape vLLM's CPU attention runs."""
-    from reinforce.core.models import materialize_policy
+    from reinforce.core.policy import materialize_policy
     from reinforce.core.spec import PolicySpec, RandomInit
 
     spec = PolicySpec(random_init=RandomInit(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=1))

@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 import yaml
+from conftest import stop_process
 
 from reinforce.core import launch
 from reinforce.core.environment_client import EnvironmentClient, EnvironmentServiceError
@@ -96,15 +97,6 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(the environment service's URL, the reward server's URL), both running the same spec."""
@@ -134,7 +126,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
         yield environment_url, f"http://127.0.0.1:{http}"
     finally:
         for process in processes:
-            _stop(process)
+            stop_process(process, timeout_s=30)
 
 
 def test_run_executes_one_program_in_the_sandbox_with_the_tools_limits(services) -> None:
