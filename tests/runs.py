@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -64,6 +65,17 @@ def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "reinforce", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """Kill a started `reinforce run` and every process under it. Not `psutil.Process().children()`: the session's
+    own servers (its Redis) are this test process's children too."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(proc.pid)
+        for process in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    proc.wait()
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

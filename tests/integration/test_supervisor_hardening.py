@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 import redis
-from runs import assert_each_step_trained_once, flag, reinforce, service_of, start, wait_for_step, write_spec
+from runs import assert_each_step_trained_once, flag, kill_run, reinforce, service_of, start, wait_for_step, write_spec
 
 from reinforce.core.checkpoints import list_checkpoints
 from reinforce.core.metrics import read_metrics
@@ -69,10 +69,7 @@ def test_a_live_run_listens_on_loopback_owns_its_folder_and_two_signals_stop_eve
         _, alive = psutil.wait_procs(children, timeout=5)
         assert alive == [], f"still running after the supervisor exited: {alive}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for child in psutil.Process().children(recursive=True):  # only what this test started
-            child.kill()
+        kill_run(proc)
 
 
 def test_a_lock_left_by_a_dead_supervisor_is_taken_over(tmp_path: Path) -> None:
@@ -194,7 +191,4 @@ def test_each_service_holds_only_its_credentials_and_garbage_in_the_weights_key_
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 130, stderr[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for child in psutil.Process().children(recursive=True):  # only what this test started
-            child.kill()
+        kill_run(proc)
