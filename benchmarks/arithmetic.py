@@ -19,7 +19,7 @@ from pathlib import Path
 from sections import write_section
 
 from reinforce.core.data import prompt_answer, read_prompt_file
-from reinforce.core.models import encode_prompt
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import load_spec
 from reinforce.generator.engines.torch_engine import TorchEngine

@@ -27,7 +27,8 @@ from transformers import AutoConfig
 
 from reinforce.core.data import prompt_answer, read_prompt_file
 from reinforce.core.environment_api import prompt_data
-from reinforce.core.models import encode_prompt, load_tokenizer
+from reinforce.core.policy import load_tokenizer
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.generator.engines import build_engine

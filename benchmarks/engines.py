@@ -7,7 +7,7 @@ k=1, 32 new tokens). Prompts are the quickstart's reviews, chat-templated. Per e
 
 - tokens/s: sampled tokens over the wall time of one `sample` call (after a warm-up call), mean of --repeats;
 - refit s: loading a published weight file (`weights.publish`, as the trainer writes it) in place, median of 3;
-- mismatch: mean and max |engine log-prob - trainer recomputation| (`models.response_logprobs`, float32) over all
+- mismatch: mean and max |engine log-prob - trainer recomputation| (`logprobs.response_logprobs`, float32) over all
   sampled tokens, before and after a refit to perturbed weights (a refit that left stale weights anywhere shows up
   as a large mismatch);
 - batch-invariant: a prompt sampled alone gives the tokens (and the log-probs, to the bit) it gave in the batch;
@@ -33,11 +33,13 @@ from pathlib import Path
 
 import torch
 
-from reinforce.core.models import encode_prompt, load_policy, load_tokenizer, materialize_policy, response_logprobs
+from reinforce.core.policy import load_policy, load_tokenizer, materialize_policy
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import DataSpec, GenerationSpec, PolicySpec
 from reinforce.core.weights import publish
 from reinforce.generator.engines import build_engine
 from reinforce.generator.engines.base import SampledSequence
+from reinforce.trainer.logprobs import response_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "examples" / "data" / "reviews.jsonl"

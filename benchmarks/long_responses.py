@@ -25,7 +25,7 @@ import psutil
 import torch
 from sections import write_section
 
-from reinforce.core.models import materialize_policy
+from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.trainer.algorithms import build_algorithm

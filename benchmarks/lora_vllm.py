@@ -33,7 +33,8 @@ import torch
 from engines import CASES, POLICY, PROMPTS
 from sections import write_section
 
-from reinforce.core.models import encode_prompt, load_tokenizer, materialize_policy
+from reinforce.core.policy import load_tokenizer, materialize_policy
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import DataSpec, GenerationSpec, LoraSpec, TrainingSpec
 from reinforce.core.weights import publish
 from reinforce.generator.engines import build_engine

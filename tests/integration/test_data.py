@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from reinforce.core.data import DataError, PromptCursor, load_prompts, read_prompt_file
 from reinforce.core.metrics import STEP_METRICS
-from reinforce.core.models import build_char_tokenizer, encode_prompt, encode_prompt_checked, materialize_policy
+from reinforce.core.policy import build_char_tokenizer, materialize_policy
+from reinforce.core.prompt_encoding import encode_prompt, encode_prompt_checked
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.spec import DataSpec, RunSpec
 from reinforce.trainer.main import Trainer

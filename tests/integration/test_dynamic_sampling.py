@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from reinforce.core.data import PromptCursor
-from reinforce.core.models import load_tokenizer, materialize_policy
+from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import RunSpec

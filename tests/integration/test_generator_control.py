@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from transformers import PreTrainedModel
 
 from reinforce.core.generator_api import HEALTH_PATH, METRICS_PATH, READY_PATH, WEIGHTS_PATH
-from reinforce.core.models import load_policy, materialize_policy
+from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, WeightVersion
 from reinforce.core.rollout import WeightReconciler

@@ -89,7 +89,7 @@ def test_stale_groups_are_counted_per_step(redis_url):
 
 
 def test_a_malformed_validation_group_is_dead_lettered_and_its_prompt_enqueued_again(redis_url, tmp_path):
-    from reinforce.core.models import load_tokenizer, materialize_policy
+    from reinforce.core.policy import load_tokenizer, materialize_policy
     from reinforce.core.run_dir import RunPaths
     from reinforce.trainer.backends import build_backend
     from reinforce.trainer.validation import Validator

@@ -31,9 +31,7 @@ from megatron_tiny import (
 )
 from transformers import LlamaConfig
 
-from reinforce.core.models import load_policy, materialize_policy
-from reinforce.core.models import response_logprobs as hf_response_logprobs
-from reinforce.core.models import response_logprobs_and_entropy as hf_logprobs_and_entropy
+from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.spec import PolicySpec
 from reinforce.trainer.backends.megatron import convert
 from reinforce.trainer.backends.megatron.checkpoint import (
@@ -49,6 +47,8 @@ from reinforce.trainer.backends.megatron.model import (
     response_logprobs,
     response_logprobs_and_entropy,
 )
+from reinforce.trainer.logprobs import response_logprobs as hf_response_logprobs
+from reinforce.trainer.logprobs import response_logprobs_and_entropy as hf_logprobs_and_entropy
 
 # Measured: 2.4e-7 (TP=1, tiny model); the two implementations sum in different orders, nothing more.
 LOGPROB_TOLERANCE = 1e-5

@@ -14,7 +14,7 @@ import torch
 
 from reinforce.core.environment_client import EnvironmentServiceError
 from reinforce.core.metrics import read_metrics
-from reinforce.core.models import build_char_tokenizer, load_policy, load_tokenizer, materialize_policy
+from reinforce.core.policy import build_char_tokenizer, load_policy, load_tokenizer, materialize_policy
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import read_samples, sample_steps
 from reinforce.core.spec import GenerationSpec, PolicySpec, RandomInit

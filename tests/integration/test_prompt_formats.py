@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from reinforce.core.data import ChatPrompt, DataError, PromptCursor, prompt_answer, read_prompt_file
-from reinforce.core.models import build_char_tokenizer, encode_prompt
+from reinforce.core.policy import build_char_tokenizer
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import DataSpec
 
 pa = pytest.importorskip("pyarrow")

@@ -17,7 +17,8 @@ from runs import reinforce, start, wait_for_step, write_spec
 from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics, shown
-from reinforce.core.models import encode_prompt, load_tokenizer
+from reinforce.core.policy import load_tokenizer
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import SAMPLE_KEYS, read_samples, sample_steps
 from reinforce.core.spec import load_spec

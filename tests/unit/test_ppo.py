@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from reinforce.core.models import token_entropy
 from reinforce.critic.value_model import critic_loss
 from reinforce.trainer.algorithms.aggregation import LossNormalizer
 from reinforce.trainer.algorithms.ppo import generalized_advantages, ppo_policy_loss, token_rewards
 from reinforce.trainer.algorithms.tensors import masked_mean_var, masked_whiten
+from reinforce.trainer.chunked_head import token_entropy
 
 INF = float("inf")
 

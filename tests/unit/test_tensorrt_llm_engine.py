@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reinforce.core.models import build_char_tokenizer
+from reinforce.core.policy import build_char_tokenizer
 from reinforce.core.spec import GenerationSpec
 from reinforce.generator.engines.tensorrt_llm_engine import (
     TensorRTLLMEngine,

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from reinforce.core.environment_api import CALCULATOR_TOOL, PYTHON_TOOL, prompt_data, tool_instructions
-from reinforce.core.models import encode_prompt
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import parse_spec
 from reinforce.environment.tools import Calculator, PythonTool
 from tests.environment_tools import Echo

@@ -169,7 +169,7 @@ def test_checkpoint_round_trip_keeps_last_k(tmp_path):
 
 def _tiny_run(tmp_path: Path, **algorithm) -> tuple:
     """(spec, torch backend) of a one-layer random policy, k = 2, two prompts per step."""
-    from reinforce.core.models import materialize_policy
+    from reinforce.core.policy import materialize_policy
     from reinforce.core.spec import RunSpec
     from reinforce.trainer.backends import build_backend
 

@@ -216,7 +216,8 @@ def add_shard_prompts_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _shard_prompts(args: argparse.Namespace) -> int:
-    from reinforce.core.models import encode_prompt_checked, load_tokenizer, materialize_policy
+    from reinforce.core.policy import load_tokenizer, materialize_policy
+    from reinforce.core.prompt_encoding import encode_prompt_checked
 
     spec = load_spec(args.spec)
     data = prompt_data(spec)  # as the trainer encodes: the tools' instructions in the system prompt, if they go there

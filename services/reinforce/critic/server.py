@@ -76,8 +76,9 @@ from reinforce.core.http_kit import add_probes, bearer_dependency, count_request
 from reinforce.core.launch import CRITIC
 from reinforce.core.launch_flags import CriticFlags
 from reinforce.core.metrics import CriticMetrics
-from reinforce.core.models import adamw, materialize_policy
 from reinforce.core.names import CRITIC_PORT, CRITIC_TOKEN_ENV, LOCAL_HOST
+from reinforce.core.optim import adamw
+from reinforce.core.policy import materialize_policy
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CriticSpec, RunSpec, load_spec
 from reinforce.core.threads import configure_threads

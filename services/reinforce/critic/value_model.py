@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
-from reinforce.core.models import response_states
+from reinforce.core.response_states import response_states
 from reinforce.core.spec import CriticInit
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from reinforce.core.environment_api import prompt_data
-from reinforce.core.models import encode_prompt
+from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, load_spec
 from reinforce.core.weights import weight_path

@@ -47,8 +47,8 @@ from reinforce.core.http_kit import add_probes, bearer_dependency, count_request
 from reinforce.core.launch import GENERATOR
 from reinforce.core.launch_flags import GeneratorFlags
 from reinforce.core.metrics import GeneratorMetrics
-from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, WEIGHTS_TOKEN_ENV
+from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
 from reinforce.core.relay import Relay

@@ -43,7 +43,6 @@ from reinforce.core.launch_flags import (
     TrainerFlags,
 )
 from reinforce.core.metrics import file_sd_target, read_metrics, shown
-from reinforce.core.models import materialize_policy
 from reinforce.core.names import (
     COMPONENT_CRITIC,
     COMPONENT_ENVIRONMENT,
@@ -58,6 +57,7 @@ from reinforce.core.names import (
     WEIGHTS_TOKEN_ENV,
 )
 from reinforce.core.optional import MissingPackage, require_backend, require_engine
+from reinforce.core.policy import materialize_policy
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler, relay_fanout
 from reinforce.core.run_dir import RunPaths, ensure_run_id

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reinforce.core.models import ResponseIds
 from reinforce.core.records_pb2 import RolloutGroup, Sample
+from reinforce.core.response_states import ResponseIds
 from reinforce.core.spec import TrainingSpec
 
 
@@ -47,7 +47,7 @@ def token_lists(groups: list[RolloutGroup]) -> tuple[list[list[int]], list[list[
     """(prompt ids, response ids) of every sample of `groups`, one row per sample.
 
     A multi-turn sample's row is a ResponseIds carrying its loss mask: this is where the tools' tokens are folded
-    out of the per-token mask that every backend's log-prob pass returns (models.response_positions), so every
+    out of the per-token mask that every backend's log-prob pass returns (response_states.response_positions), so every
     algorithm, the KL and the metrics see them as padding.
     """
     prompts = [list(g.prompt_token_ids) for g in groups for _ in g.samples]

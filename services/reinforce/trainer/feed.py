@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from reinforce.core.data import DataCursor, prompt_answer
 from reinforce.core.environment_api import prompt_data
-from reinforce.core.models import encode_prompt_checked
+from reinforce.core.prompt_encoding import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
 from reinforce.core.spec import RunSpec

@@ -30,8 +30,8 @@ from reinforce.core.launch import TRAINER
 from reinforce.core.launch_flags import TrainerFlags
 from reinforce.core.lora import LORA_FORMAT
 from reinforce.core.metrics import TrainerMetrics, read_metrics, shown
-from reinforce.core.models import load_tokenizer, materialize_policy
 from reinforce.core.names import WEIGHTS_TOKEN_ENV
+from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.samples import discard_samples_after

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from reinforce.core.data import prompt_answer, read_prompt_file
 from reinforce.core.environment_api import prompt_data
-from reinforce.core.models import encode_prompt_checked
+from reinforce.core.prompt_encoding import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup
 from reinforce.core.run_dir import RunPaths

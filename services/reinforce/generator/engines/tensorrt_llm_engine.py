@@ -40,7 +40,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from reinforce.core.models import load_tokenizer
+from reinforce.core.policy import load_tokenizer
 from reinforce.core.spec import GenerationSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import (

@@ -1,7 +1,7 @@
 """The torch engine: the reference sampler, k responses per prompt with their per-token log-probs.
 
 All rows of all prompts decode together with one KV cache. Log-probs are taken exactly the way
-`models.response_logprobs` takes them (model body, lm_head on the predicting position, float32
+`trainer/logprobs.py`'s `response_logprobs` takes them (model body, lm_head on the predicting position, float32
 log_softmax(logits / temperature) of the unfiltered distribution), so the trainer's recomputation differs
 only by floating-point noise: that difference is the train/inference mismatch metric.
 """
@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into
-from reinforce.core.models import load_policy, load_tokenizer
+from reinforce.core.policy import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec
 from reinforce.core.weights import WeightError, module_loader
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence

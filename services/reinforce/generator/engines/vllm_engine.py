@@ -53,7 +53,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from reinforce.core.lora import LORA_FORMAT, adapted_modules, adapter_rank, peft_config
-from reinforce.core.models import load_tokenizer
+from reinforce.core.policy import load_tokenizer
 from reinforce.core.spec import GenerationSpec, LoraSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import (

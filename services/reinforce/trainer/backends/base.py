@@ -43,7 +43,7 @@ class TrainerBackend(ABC):
     def policy_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log pi of each response token [B, T], differentiable; mask [B, T]), as models.response_logprobs."""
+        """(log pi of each response token [B, T], differentiable; mask [B, T]), as logprobs.response_logprobs."""
 
     @abstractmethod
     def policy_logprobs_and_entropy(

@@ -3,7 +3,7 @@ summing gradients over torchrun ranks (trainer/distributed.py).
 
 training.precision bf16 (what auto, the default, resolves to on this backend): the policy keeps float32 weights
 (AdamW's master weights, its state float32 too) and runs its forward and backward under autocast, so matmuls run in
-bfloat16 and gradients land in float32; the frozen reference is simply a bfloat16 copy. models.response_logprobs
+bfloat16 and gradients land in float32; the frozen reference is simply a bfloat16 copy. logprobs.response_logprobs
 takes the log-softmax in float32 either way.
 
 training.attention auto: short sequences (RL responses to chat prompts: about 80 tokens in the benchmarks) run
@@ -20,10 +20,12 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
-from reinforce.core.models import adamw, load_policy, response_logprobs, response_logprobs_and_entropy
+from reinforce.core.optim import adamw
+from reinforce.core.policy import load_policy
 from reinforce.core.spec import LoraSpec, TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.distributed import Ranks
+from reinforce.trainer.logprobs import response_logprobs, response_logprobs_and_entropy
 
 # training.attention auto on CPU: eager up to this padded length, sdpa beyond (the crossover measured on this
 # machine lies between 160 and 320 tokens)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from reinforce.core.models import adamw, load_policy
+from reinforce.core.optim import adamw
+from reinforce.core.policy import load_policy
 from reinforce.core.spec import TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.backends.megatron.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint

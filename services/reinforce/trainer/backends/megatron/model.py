@@ -1,6 +1,6 @@
 """The Megatron-core policy: parallel setup, loading HF weights, response log-probs, gathering back to HF.
 
-`response_logprobs` here has the signature and semantics of `reinforce.core.models.response_logprobs` (the
+`response_logprobs` here has the signature and semantics of `reinforce.trainer.logprobs.response_logprobs` (the
 torch trainer's): log_softmax(logits / temperature) of each response token, (logprobs [B, T], mask [B, T]),
 right-padded, differentiable. With tensor parallelism each rank holds a slice of the vocabulary; the
 log-softmax is computed across the slices by Megatron's `vocab_parallel_cross_entropy` (no rank ever
@@ -23,13 +23,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from transformers import LlamaConfig
 
-from reinforce.core.models import (
-    check_sequences,
-    padded_like,
-    response_positions,
-    right_padded,
-    temperature_scaled,
-)
+from reinforce.core.response_states import check_sequences, padded_like, response_positions, right_padded
 from reinforce.trainer.backends.megatron.convert import (
     LlamaLayout,
     StateDict,
@@ -37,6 +31,7 @@ from reinforce.trainer.backends.megatron.convert import (
     megatron_shards_to_hf,
 )
 from reinforce.trainer.backends.megatron.cpu_shim import apply_cpu_shim
+from reinforce.trainer.chunked_head import temperature_scaled
 
 _EXTRA_STATE = "_extra_state"
 
@@ -220,7 +215,7 @@ def response_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """log pi(y_t | x, y_<t) = log_softmax(logits / temperature) for every response token, with a GPTModel.
 
-    Same contract as reinforce.core.models.response_logprobs: (logprobs [B, T], mask [B, T]) right-padded to
+    Same contract as reinforce.trainer.logprobs.response_logprobs: (logprobs [B, T], mask [B, T]) right-padded to
     the longest response, mask 1.0 on real tokens, differentiable when grad is enabled. Every rank of a
     tensor-parallel group must call it with the same batch. `vocab_size` (default: the model's
     `unpadded_vocab_size`, set by build_gpt_model) excludes Megatron's padded vocabulary rows from the softmax.
@@ -236,7 +231,7 @@ def response_logprobs_and_entropy(
     model: Any, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-probs as :func:`response_logprobs`, each token's distribution's entropy, mask), all [B, T]: the
-    contract of reinforce.core.models.response_logprobs_and_entropy."""
+    contract of reinforce.trainer.logprobs.response_logprobs_and_entropy."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits, targets, mask = _response_logits(model, prompt_ids, response_ids, temperature, None)
