@@ -26,7 +26,11 @@ from reinforce.core.critic_api import Minibatch
 from reinforce.core.names import CRITIC_TOKEN_ENV
 from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
-from reinforce.critic.server import SET_ASIDE, Critic, CriticConfig, create_app, main
+from reinforce.critic.checkpoint import SET_ASIDE
+from reinforce.critic.config import CriticConfig
+from reinforce.critic.critic import Critic
+from reinforce.critic.main import main
+from reinforce.critic.server import create_app
 from reinforce.critic.value_model import load_value_model, response_values
 from reinforce.supervisor.ports import free_port
 from reinforce.trainer.critic_client import CriticClient, CriticError

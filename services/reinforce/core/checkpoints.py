@@ -1,6 +1,6 @@
 """Checkpoint folders (ROOT/step-NNNNNN), their durable rotation and their manifests.
 
-The trainer (trainer/checkpoint.py, RUN_DIR/checkpoints) and the critic (critic/server.py,
+The trainer (trainer/checkpoint.py, RUN_DIR/checkpoints) and the critic (critic/checkpoint.py,
 RUN_DIR/critic_checkpoints) write them alike: into a staging folder (`start_checkpoint`), then `commit_checkpoint`
 fsyncs it, renames it into place and keeps the newest K. A crash leaves the old checkpoints and no half-written one;
 the rotation runs after the new checkpoint is durable and never deletes it. The supervisor reads the trainer's

@@ -1,5 +1,7 @@
-"""The PPO critic service (`python -m reinforce.critic`) and its client.
+"""The PPO critic service (`python -m reinforce.critic`); the trainer's client is trainer/critic_client.py, the JSON
+bodies both sides share core/critic_api.py.
 
-server.py is the service, value_model.py the value model, api.py the JSON bodies both sides share, client.py the
-trainer's `CriticClient`. Importing the package itself loads nothing heavy.
+main.py starts the service, server.py is its HTTP API, critic.py the value model's state and updates (with checks.py,
+what is refused before the model), checkpoint.py its checkpoints, config.py how it runs, value_model.py the value
+model itself. Importing the package itself loads nothing heavy.
 """

@@ -1,3 +1,3 @@
-from reinforce.critic.server import main
+from reinforce.critic.main import main
 
 main()
