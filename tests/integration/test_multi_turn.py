@@ -24,13 +24,19 @@ from reinforce.generator.episodes import PLAIN_FORMAT, Episode, EpisodeRunner, O
 from tests.integration.test_environment import TIME_LIMIT_S, TOKEN, Server, start_server
 from tests.runs import assert_each_step_trained_once, assert_reward_rose, reinforce, write_spec
 
-VOCAB = "abcdefghijklmnopqrstuvwxyzT0123456789 .,:+*=\"'{}[]<>/_-?`\n"
+VOCAB = "abcdefghijklmnopqrstuvwxyzT0123456789 .,:+*=\"'{}[]()<>/_-?`\n"
 PROMPT = "what is 2+3?"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
 OBSERVATION = PLAIN_FORMAT[0] + "5" + PLAIN_FORMAT[1]
 ANSWER = "it is 5."
 TOOL_USE = CALL + OBSERVATION + ANSWER
-# A program that never ends, in a turn that ends with EOS; the environment's test server stops it after 3 s.
+# The python tool as a fenced block, and no EOS after it: the turn ends at the closing fence, the model would write on.
+PYTHON_PROMPT = "what is 2*3?"
+PYTHON_USE = ("```python\nprint(2*3)\n```", PLAIN_FORMAT[0] + "6" + PLAIN_FORMAT[1], "it is 6.", None)
+# A prompt and the response a policy is fitted to (texts, None for EOS), by the tool it calls.
+TRAJECTORIES = {"calculator": (PROMPT, (TOOL_USE, None)), "python": (PYTHON_PROMPT, PYTHON_USE)}
+# A program that never ends, as a fenced block: the turn ends where the fence closes (the model would write on), the
+# environment's test server stops the program after 3 s.
 HANG_PROMPT = "loop?"
 HANG = "```python\nwhile True: pass\n```"
 TIMEOUT = PLAIN_FORMAT[0] + f"[timeout after {TIME_LIMIT_S:g} s]" + PLAIN_FORMAT[1]
@@ -129,11 +135,12 @@ def test_the_budget_counts_the_tools_tokens_too(policy: Path, server: Server) ->
 
 
 def test_a_hanging_tool_is_cut_at_its_time_limit_and_the_model_reads_timeout(tmp_path: Path, server: Server) -> None:
-    policy = fitted_policy(tmp_path / "policy", HANG_PROMPT, (HANG, None, TIMEOUT, "stuck.", None))
+    policy = fitted_policy(tmp_path / "policy", HANG_PROMPT, (HANG, TIMEOUT, "stuck.", None))
     start = time.monotonic()
     [episode] = run_episodes(policy, server.url, max_new_tokens=120, k=1, prompt=HANG_PROMPT)
     assert TIME_LIMIT_S <= time.monotonic() - start < TIME_LIMIT_S + 30
-    assert decoded(episode, trained=True).startswith(HANG) and episode.tool_calls == 1
+    assert (episode.turns, episode.tool_calls, episode.is_end) == (2, 1, True)
+    assert decoded(episode, trained=True) == HANG + "stuck."
     assert decoded(episode, trained=False) == TIMEOUT
 
 

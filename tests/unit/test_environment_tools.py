@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from reinforce.core.environment_api import holds_tool_call
 from reinforce.core.spec import SpecError, parse_spec
 from reinforce.environment.sandbox import RunResult
 from reinforce.environment.tools import (
@@ -21,9 +22,7 @@ from reinforce.environment.tools import (
 MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
 
 
-@pytest.mark.parametrize(
-    ("turn", "call"),
-    [
+TURNS = [
         ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
          ToolCall("calculator", {"expression": "1+2"})),
         # SmolLM2's list form, arguments as a JSON string (OpenAI's), a missing closing tag (the stop string)
@@ -35,10 +34,34 @@ MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.tx
         ("The answer is 42.", None),
         ("```\nnot python\n```", None),
         ("```python\nprint('never closed')", None),
-    ],
-)  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("turn", "call"), TURNS)
 def test_the_first_tool_call_of_a_turn_is_parsed(turn: str, call: ToolCall | None) -> None:
     assert parse_tool_call(turn) == call
+
+
+@pytest.mark.parametrize(("turn", "call"), TURNS)
+def test_a_turn_ended_where_the_generator_ends_it_holds_the_same_call(turn: str, call: ToolCall | None) -> None:
+    """The generator ends a turn at the first prefix that holds_tool_call (the closing fence of the first python
+    block, or a closing tag): the environment reads the same call from that prefix as from the whole turn."""
+    ends = [n for n in range(1, len(turn) + 1) if holds_tool_call(turn[:n])]
+    prefix = turn[: ends[0]] if ends else turn
+    assert parse_tool_call(prefix) == call
+
+
+@pytest.mark.parametrize(
+    ("turn", "end"),
+    [
+        ("Sure:\n```python\nprint(3)\n```\nOutput: 3\nThe answer is 3.", "Sure:\n```python\nprint(3)\n```"),
+        ("```\nplain\n```\n```py\nprint(4)\n```\n4", "```\nplain\n```\n```py\nprint(4)\n```"),
+        ('<tool_call>{"name": "python"}</tool_call> and on', '<tool_call>{"name": "python"}</tool_call>'),
+    ],
+)
+def test_a_turn_ends_where_its_first_call_closes(turn: str, end: str) -> None:
+    """Not at a fence that opens a block, nor at the closing fence of a block that is not python."""
+    assert next(turn[:n] for n in range(1, len(turn) + 1) if holds_tool_call(turn[:n])) == end
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,17 @@ EPISODES_PATH = "/v1/episodes"
 RUN_PATH = "/v1/run"
 # A tool call's closing tag: generators stop an assistant turn there and send it (tools.py parses the call).
 TOOL_CALL_CLOSE = "</tool_call>"
+# The python tool called as a fenced block (its code is group 1); a generator ends the turn where the first one closes.
+FENCE = "```"
+FENCED_PYTHON = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def holds_tool_call(turn: str) -> bool:
+    """Whether an assistant turn's text has reached the end of a tool call (a closing tag or a closed fenced python
+    block): a generator ends the turn there, since the environment runs the turn's first call and ignores the rest."""
+    return TOOL_CALL_CLOSE in turn or FENCED_PYTHON.search(turn) is not None
+
+
 MAX_REQUEST_BYTES = 1 << 20  # a prompt or one assistant turn
 
 

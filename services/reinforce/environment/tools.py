@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from reinforce.core.environment_api import CALCULATOR_TOOL, PYTHON_TOOL, Observation
+from reinforce.core.environment_api import CALCULATOR_TOOL, FENCED_PYTHON, PYTHON_TOOL, Observation
 from reinforce.core.spec import EnvironmentSpec
 from reinforce.environment.sandbox import RunResult, Sandbox
 
@@ -231,13 +231,12 @@ class ToolCall:
 
 
 _TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-_FENCED = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 
 
 def parse_tool_call(turn: str) -> ToolCall | None:
     """The turn's first tool call (tagged or a fenced python block), None without one; ToolError when a tagged
     call does not parse."""
-    tagged, fenced = _TAGGED.search(turn), _FENCED.search(turn)
+    tagged, fenced = _TAGGED.search(turn), FENCED_PYTHON.search(turn)
     if fenced and (tagged is None or fenced.start() < tagged.start()):
         return ToolCall(PythonTool.name, {"code": fenced.group(1)})
     if tagged is None:

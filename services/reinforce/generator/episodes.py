@@ -1,7 +1,8 @@
 """Multi-turn rollouts (environment.enabled): each sample is an episode of the environment service.
 
-An episode samples until the assistant turn ends (EOS, a stop string, or a tool call's closing tag `</tool_call>`),
-sends the turn to the environment (core/environment_api.py), appends the observation's tokens and samples on, until
+An episode samples until the assistant turn ends (EOS, a stop string, a tool call's closing tag `</tool_call>`, or
+the fence closing a ```python block: `holds_tool_call`, the environment's own reading of a call) and sends the turn
+to the environment (core/environment_api.py), appends the observation's tokens and samples on, until
 the environment answers `done` (a turn without a tool call, or the environment.max_turns-th turn) or the episode's
 budget runs out: generation.max_new_tokens counts every response token, the model's and the tools'. A response that
 ran out of budget did not end (`is_end` false), as a single-turn one cut by max_new_tokens.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from reinforce.core.environment_api import TOOL_CALL_CLOSE
+from reinforce.core.environment_api import FENCE, TOOL_CALL_CLOSE, holds_tool_call
 from reinforce.core.environment_client import EnvironmentClient
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import sample_seeds
@@ -142,16 +143,43 @@ class EpisodeRunner:
         return episodes
 
     def _sample_turns(self, open_: list[Episode], temperature: float | None) -> list[SampledSequence]:
-        budget = self.engine.generation.max_new_tokens
-        sampled = self.engine.sample(
-            [e.prompt_ids + e.token_ids for e in open_],
-            [sample_seeds(e.seed, e.turns + 1)[-1] for e in open_],
-            num_samples=1,
-            temperature=temperature,
-            max_new_tokens=[budget - len(e.token_ids) for e in open_],
-            stop_strings=[TOOL_CALL_CLOSE],
-        )
-        return [turns[0] for turns in sampled]
+        """Each open episode's next turn. Engines stop at fixed strings only, so they stop at every fence: a turn
+        stopped at a fence that closes no python block (an opening one) samples on, in as many calls as it takes."""
+        turns = [SampledSequence([], [], True, "") for _ in open_]
+        pending = list(range(len(open_)))
+        segment = 0
+        while pending:
+            sampled = self.engine.sample(
+                [open_[i].prompt_ids + open_[i].token_ids + turns[i].token_ids for i in pending],
+                [_segment_seed(sample_seeds(open_[i].seed, open_[i].turns + 1)[-1], segment) for i in pending],
+                num_samples=1,
+                temperature=temperature,
+                max_new_tokens=[self._left(open_[i], turns[i]) for i in pending],
+                stop_strings=[TOOL_CALL_CLOSE, FENCE],
+            )
+            for i, (part,) in zip(pending, sampled, strict=True):
+                turns[i] = self._joined(turns[i], part)
+            pending = [i for i in pending if self._samples_on(open_[i], turns[i])]
+            segment += 1
+        return turns
+
+    def _left(self, episode: Episode, turn: SampledSequence) -> int:
+        return self.engine.generation.max_new_tokens - len(episode.token_ids) - len(turn.token_ids)
+
+    def _joined(self, turn: SampledSequence, part: SampledSequence) -> SampledSequence:
+        ids = turn.token_ids + part.token_ids  # decoded whole: a byte-level token may complete the part's first char
+        text = self.observations.tokenizer.decode(ids, skip_special_tokens=True)
+        return SampledSequence(ids, turn.logprobs + part.logprobs, part.is_end, text)
+
+    def _samples_on(self, episode: Episode, turn: SampledSequence) -> bool:
+        """The turn stopped at a fence that ends no call (not at EOS, a call's end or generation.stop_strings); with
+        no budget left it is cut instead (not ended)."""
+        if not turn.is_end or turn.token_ids[-1] in self.observations.eos_ids or holds_tool_call(turn.text):
+            return False
+        if any(s in turn.text for s in self.engine.generation.stop_strings):
+            return False
+        turn.is_end = self._left(episode, turn) > 0
+        return turn.is_end
 
     async def _step(self, env: EnvironmentClient, episode: Episode, turn: SampledSequence) -> None:
         episode.add_turn(turn)
@@ -164,6 +192,12 @@ class EpisodeRunner:
             return
         ids = self.observations.tokens(result.observation.text, turn.token_ids)
         episode.add_observation(ids, self.engine.generation.max_new_tokens)
+
+
+def _segment_seed(turn_seed: int, segment: int) -> int:
+    """The seed of a turn's segment-th engine call: the turn's own for the first, so a turn without a fence samples
+    as it would without this split."""
+    return turn_seed if segment == 0 else sample_seeds(turn_seed, segment + 1)[segment]
 
 
 def _raise_first(results: list) -> None:
