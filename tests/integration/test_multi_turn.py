@@ -70,6 +70,11 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def python_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fitted_policy(tmp_path_factory.mktemp("multi-turn-python") / "policy", *TRAJECTORIES["python"])
+
+
+@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = start_server(tmp_path_factory.mktemp("environment"))
     yield s
@@ -132,6 +137,20 @@ def test_the_budget_counts_the_tools_tokens_too(policy: Path, server: Server) ->
         assert len(episode.token_ids) == budget and not episode.is_end
         assert episode.loss_mask == [True] * len(CALL) + [False] * 5
         assert decoded(episode, trained=False) == OBSERVATION[:5]
+
+
+def test_a_fenced_call_ends_its_turn_where_it_closes_and_the_budget_may_cut_it_at_the_opening(
+    python_policy: Path, server: Server
+) -> None:
+    """The model writes on after its block (it was fitted without EOS there): the turn ends at the closing fence, the
+    engine having stopped at the opening one first. With a budget of 3 tokens the turn stops at the opening fence with
+    nothing left: it did not end, and no call was sent."""
+    code, observation, answer, _ = PYTHON_USE
+    [episode] = run_episodes(python_policy, server.url, max_new_tokens=160, k=1, prompt=PYTHON_PROMPT)
+    assert (episode.turns, episode.tool_calls, episode.is_end) == (2, 1, True)
+    assert decoded(episode, trained=True) == code + answer and decoded(episode, trained=False) == observation
+    [cut] = run_episodes(python_policy, server.url, max_new_tokens=3, k=1, prompt=PYTHON_PROMPT)
+    assert (decoded(cut, trained=True), cut.turns, cut.tool_calls, cut.is_end) == ("```", 1, 0, False)
 
 
 def test_a_hanging_tool_is_cut_at_its_time_limit_and_the_model_reads_timeout(tmp_path: Path, server: Server) -> None:
