@@ -1,4 +1,4 @@
-"""Weight fan-out: time from publish to all-loaded for N generators, direct against relayed (core/relay.py).
+"""Weight fan-out: time from publish to all-loaded for N generators, direct against relayed (generator/relay.py).
 
     sudo .venv/bin/python benchmarks/weight_fanout.py [--rate 200mbit] [--sizes 1 2 4 8 16] [--render]
 
@@ -85,7 +85,7 @@ def teardown() -> None:
 
 # ---- the processes inside the namespaces ---------------------------------------------------------------------------
 def trainer_main(folder: str, node: int) -> None:
-    from reinforce.core.weights import WeightServer
+    from reinforce.trainer.weight_server import WeightServer
 
     with WeightServer(Path(folder), host=address(node), port=PORT, token=TOKEN):
         print(json.dumps({"ready": True}), flush=True)
@@ -99,8 +99,8 @@ def receiver_main(folder: str, node: int, trainer_dir: str, stall_s: float) -> N
     from safetensors.torch import load_file
 
     from reinforce.core.records_pb2 import WeightVersion
-    from reinforce.core.relay import Relay
     from reinforce.core.weights import WeightSources, load_verified
+    from reinforce.generator.relay import Relay
 
     relay = Relay(Path(folder) / "relay", TOKEN, address(node), port=PORT, stall_s=stall_s)
     relay.start()
@@ -155,7 +155,7 @@ def run_once(mode: str, n: int, work: Path, version: int, args: argparse.Namespa
     """One publish to n receivers; the seconds from publish to the last (surviving) receiver's load."""
     from google.protobuf.json_format import MessageToJson
 
-    from reinforce.core.relay import plan_relay
+    from reinforce.core.rollout import plan_relay
 
     trainer_dir = work / "trainer"
     receivers = [

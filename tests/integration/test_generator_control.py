@@ -25,9 +25,10 @@ from reinforce.core.records_pb2 import Prompt, WeightVersion
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
-from reinforce.core.weights import WeightServer, publish
+from reinforce.core.weights import publish
 from reinforce.generator.reward_client import RewardFunctionError
 from reinforce.generator.worker import Generator, control_plane
+from reinforce.trainer.weight_server import WeightServer
 
 TOKEN = "s3cret-control-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

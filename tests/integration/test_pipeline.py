@@ -229,8 +229,8 @@ def test_two_generators_streaming_weights_over_http(tmp_path, tiny_baseline):
 @pytest.mark.slow
 def test_three_generators_relaying_weights_train_like_one(tmp_path, tiny_baseline):
     """weights.distribution relay: the trainer sends each version once and the generators pass it down a chain
-    (core/relay.py); the run trains like one generator, and the chain's last generator gets every version from a relay,
-    never from the trainer."""
+    (generator/relay.py); the run trains like one generator, and the chain's last generator gets every version from a
+    relay, never from the trainer."""
     weights = {"transport": "http", "distribution": "relay"}
     spec = write_spec(tmp_path, training=BASELINE_TRAINING, weights=weights, generation={"num_generators": 3})
     result = reinforce("run", str(spec))

@@ -1,4 +1,4 @@
-"""Relayed weight distribution (core/relay.py): real HTTP between a trainer's WeightServer and generators' Relays.
+"""Relayed weight distribution (generator/relay.py): real HTTP between a trainer's WeightServer and generators' Relays.
 
 Faults are injected by small HTTP servers that pause, die or lie; everything else is the production code.
 """
@@ -22,16 +22,17 @@ from safetensors.torch import load_file
 from reinforce.core import weights as weights_module
 from reinforce.core.generator_api import load_request_json, parse_load_request
 from reinforce.core.records_pb2 import WeightVersion
-from reinforce.core.relay import Relay, plan_relay
+from reinforce.core.rollout import plan_relay
 from reinforce.core.weights import (
     MAX_CHUNKS,
     MIN_CHUNK_BYTES,
     WeightError,
-    WeightServer,
     WeightSources,
     chunk_bytes_for,
     publish,
 )
+from reinforce.generator.relay import Relay
+from reinforce.trainer.weight_server import WeightServer
 
 TOKEN = "weights-token"
 NAME = "v000001.safetensors"
@@ -233,7 +234,7 @@ def test_a_dead_relay_is_routed_around_resuming_where_it_stopped(gated, relays: 
 
 
 def test_a_stalled_relay_is_left_after_stall_s(gated, relays: list[Relay], tmp_path: Path, caplog):
-    caplog.set_level(logging.INFO, logger="reinforce.core.relay")
+    caplog.set_level(logging.INFO, logger="reinforce.generator.relay")
     weights, tensors, handler = gated
     first = relays[0]  # waits on its source (the trainer holding back the rest) far longer than its successor will
     first.request(weights, [])

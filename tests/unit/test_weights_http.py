@@ -9,24 +9,28 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import torch
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from reinforce.core import weights as weights_module
+from reinforce.core.http_kit import bearer_dependency
 from reinforce.core.records_pb2 import WeightVersion
 from reinforce.core.weights import (
     LoadStats,
     WeightError,
-    WeightServer,
     WeightSources,
     load_verified,
     module_loader,
     publish,
     weight_path,
 )
+from reinforce.trainer.weight_server import WeightServer
 
 TOKEN = "s3cret-token"
 
@@ -174,6 +178,38 @@ def test_token_is_required(secured: WeightServer, dirs: tuple[Path, Path]):
         load_verified(module_loader(target), published, sources(secured), cache_dir=dirs[1], token="wrong")
     load_verified(module_loader(target), published, sources(secured), cache_dir=dirs[1], token=TOKEN)
     assert same_weights(source, target)
+
+
+def test_the_token_check_and_error_bodies_are_the_control_planes(secured: WeightServer):
+    """The weight endpoint (http.server) decides every Authorization header as the FastAPI control planes'
+    bearer_dependency does, and its errors carry their body, {"detail": ...}, not http.server's HTML page."""
+    published = publish_served(secured, tiny_model(0), version=1)
+    app = FastAPI()
+    app.get("/v1/weights/{name}", dependencies=[Depends(bearer_dependency(TOKEN, "weights token"))])(lambda name: {})
+    kit = TestClient(app)
+    for header in (
+        None,
+        "",
+        "Bearer wrong",
+        TOKEN,
+        f"bearer {TOKEN}",
+        f"Bearer {TOKEN}x",
+        f"Bearer  {TOKEN}",
+        f"Bearer {TOKEN}",
+    ):
+        headers = {} if header is None else {"Authorization": header}
+        ours, theirs = httpx.get(published.uri, headers=headers), kit.get(urlsplit(published.uri).path, headers=headers)
+        assert ours.status_code == theirs.status_code, header
+        if ours.status_code == 401:
+            assert ours.json() == theirs.json() == {"detail": "missing or wrong weights token"}
+            assert ours.headers["www-authenticate"] == "Bearer"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    missing = httpx.get(published.uri.replace("v000001", "v000099"), headers=auth)
+    assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
+    ranged = httpx.get(published.uri, headers={**auth, "Range": "bytes=0-10"})
+    assert ranged.status_code == 416 and ranged.json() == {"detail": "only Range: bytes=N- is served"}
+    head = httpx.head(published.uri)
+    assert head.status_code == 401 and head.content == b""  # HEAD: the headers alone
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ weight reconciler (core/rollout.py: the supervisor's, the operator's, `reinforce
 Probes and metrics are open (core/http_kit.py's add_probes: GET HEALTH_PATH answers {"ok": true}); the weight
 endpoints demand `Authorization: Bearer $REINFORCE_CONTROL_TOKEN`.
 A load request is a WeightVersion in proto3 JSON (the record the trainer published in Redis), plus RELAY_SOURCES_FIELD
-when the version is relayed (core/relay.py): it stays proto JSON, not a pydantic model, so that the record's schema is
-written once, in records.proto. Importing this module pulls in pydantic and protobuf only, not torch.
+when the version is relayed (generator/relay.py): it stays proto JSON, not a pydantic model, so that the record's
+schema is written once, in records.proto. Importing this module pulls in pydantic and protobuf only, not torch.
 """
 
 from __future__ import annotations

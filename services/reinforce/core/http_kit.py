@@ -3,6 +3,8 @@ request body read with a size cap, one shape of error body, the open probes and 
 
 Each service's token comes from its own variable (names.CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV);
 probes and metrics stay open. Every 4xx a handler answers is FastAPI's {"detail": ...}: raise HTTPException.
+The token comparison and the error body are framework-free (bearer_matches, error_body): the weight endpoints, on the
+standard library's http.server (core/weight_http.py), answer with the same two.
 """
 
 from __future__ import annotations
@@ -25,17 +27,31 @@ Body = TypeVar("Body", bound=BaseModel)
 Ready = TypeVar("Ready", bound=BaseModel)
 
 
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an Authorization header is exactly `Bearer <token>`, compared in constant time."""
+    return authorization is not None and hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+
+
+def unauthorized_detail(what: str) -> str:
+    """The detail of a 401: which credential was missing or wrong."""
+    return f"missing or wrong {what}"
+
+
+def error_body(detail: object) -> bytes:
+    """An error answer's JSON body, FastAPI's shape: {"detail": ...}."""
+    return json.dumps({"detail": detail}).encode()
+
+
 def bearer_dependency(token: str, what: str = "bearer token") -> Callable[[str | None], None]:
-    """A FastAPI dependency that answers 401 unless `Authorization: Bearer <token>` is sent.
+    """A FastAPI dependency that answers 401 unless `Authorization: Bearer <token>` is sent (bearer_matches).
 
     Handlers that use it declare no body parameter, so FastAPI resolves it before anything reads the body: an
-    unauthenticated client cannot make the service read (or buffer) a large upload. Constant-time comparison.
+    unauthenticated client cannot make the service read (or buffer) a large upload.
     """
-    expected = f"Bearer {token}".encode()
 
     def authorized(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(status_code=401, detail=f"missing or wrong {what}")
+        if not bearer_matches(authorization, token):
+            raise HTTPException(status_code=401, detail=unauthorized_detail(what))
 
     return authorized
 

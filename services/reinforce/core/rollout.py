@@ -4,8 +4,9 @@ Desired state: every generator has loaded the latest published weight version. E
 WeightVersion from the run's queue, asks every generator for its loaded version, and sends the new version to
 those behind. It is level-triggered: a pass after any failure (a generator restarting, a lost request)
 converges again. With `relay_fanout` (weights.distribution relay) it plans a relay tree over the generators that
-answered (core/relay.py) and names each one's ancestors in its load request; relays already holding the version go
-to the top, and a generator that stops answering drops out of the next pass's plan.
+answered (plan_relay; generator/relay.py passes the bytes on) and names each one's ancestors in its load request;
+relays already holding the version go to the top, and a generator that stops answering drops out of the next pass's
+plan.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -27,7 +29,6 @@ from reinforce.core import generator_api as api
 from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
 from reinforce.core.records_pb2 import WeightVersion
-from reinforce.core.relay import plan_relay
 from reinforce.core.spec import WeightsSpec
 
 log = logging.getLogger("reinforce.rollout")
@@ -41,6 +42,24 @@ def relay_fanout(weights: WeightsSpec, default: str = "direct") -> int | None:
     reads the shared folder."""
     relayed = (weights.distribution or default) == "relay" and weights.transport == "http"
     return weights.relay_fanout if relayed else None
+
+
+def plan_relay(relays: dict[str, str], fanout: int, first: Iterable[str] = ()) -> dict[str, list[str]]:
+    """Each generator's ancestors' relay urls, nearest first, in a tree of fan-out `fanout` filled breadth first.
+
+    `relays`: generator name -> its relay base url. The names in `first` (relays already holding the version) take
+    the top of the tree; the rest follow in name order, so that consecutive passes plan the same tree.
+    """
+    held = set(first)
+    order = [n for n in sorted(relays) if n in held] + [n for n in sorted(relays) if n not in held]
+    plan: dict[str, list[str]] = {}
+    for index, name in enumerate(order):
+        ancestors, parent = [], index
+        while parent > 0:
+            parent = (parent - 1) // fanout
+            ancestors.append(relays[order[parent]])
+        plan[name] = ancestors
+    return plan
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Version v is the policy after v optimizer steps; version 0 is the initial policy.
 
 A WeightVersion's uri is either a file path (trainer and generators share the run folder) or an http(s) URL
-served by the trainer's WeightServer (on Kubernetes they may share no volume):
+served by the trainer's WeightServer (trainer/weight_server.py; on Kubernetes they may share no volume):
 
     trainer:    server = WeightServer(weights_dir, token=t); server.start()
                 publish(model, weights_dir, v, base_url=server.base_url(pod_ip))
@@ -16,22 +16,15 @@ token goes nowhere else, and no other file of the machine is ever read or hashed
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import os
 import re
-import socket
-import socketserver
-import stat
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import BinaryIO
 
@@ -39,7 +32,6 @@ import httpx
 import torch
 from safetensors.torch import load_model
 
-from reinforce.core.names import LOCAL_HOST
 from reinforce.core.records_pb2 import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -49,21 +41,12 @@ _CHUNK = 1 << 20
 # record every generator reads from Redis stays a few kB however large the model (16 GB: 512 chunks of 32 MiB).
 MIN_CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 512
-WEIGHTS_ROUTE = "/v1/weights/"
-# The only names ever served: what weight_path writes. Matched against the raw request target, never a decoded
-# one, so "..", "%2F", "%00", query strings and other files of the folder (.tmp) cannot get through.
-_FILE_NAME = re.compile(r"v[0-9]{6,12}\.safetensors")
-_REQUEST_TARGET = re.compile(re.escape(WEIGHTS_ROUTE) + r"(" + _FILE_NAME.pattern + r")")
-# The one form of Range request served: from an offset to the end (a relayed transfer resuming at another source).
-_RANGE = re.compile(r"bytes=([0-9]{1,15})-")
+WEIGHTS_ROUTE = "/v1/weights/"  # the weight endpoint's path (core/weight_http.py), a published file's name after it
+FILE_NAME = re.compile(r"v[0-9]{6,12}\.safetensors")  # the names weight_path writes: the only ones ever served
 
 # A fetch is retried on connection errors, truncated bodies and 5xx (a trainer pod restarting), not on 4xx.
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
 _HTTP_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
-# The weight endpoint's bounds: concurrent connections (each one thread), and how long one may wait to send a request.
-MAX_CONNECTIONS = 64
-IDLE_TIMEOUT_S = 5.0
-_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 class WeightError(RuntimeError):
@@ -412,229 +395,3 @@ def _check_not_too_long(weights: WeightVersion, num_bytes: int) -> None:
         raise WeightError(
             f"weight version {weights.version}: {weights.uri} sent more than the published {weights.num_bytes} bytes"
         )
-
-
-# ---- serving ------------------------------------------------------------------------------------------------
-
-
-class WeightServer:
-    """Serves the published `v*.safetensors` files of `weights_dir` at GET /v1/weights/{file}, in a thread.
-
-    The standard library's ThreadingHTTPServer: one thread per connection, at most `max_connections` of them (a
-    connection beyond is answered 503 and closed: the generators' fetch retries it), and the body goes out with
-    sendfile(2), so a 540 MB file is never read into Python memory. `Range: bytes=N-` is served (206): a relayed
-    transfer whose relay failed resumes here at its first unverified byte (core/relay.py). A connection that sends
-    no request within `idle_timeout_s` is closed, so idle ones cannot hold the slots. With `token`, every request needs
-    `Authorization: Bearer <token>` (401 otherwise), checked before the path so unauthenticated clients learn
-    nothing about which versions exist.
-    """
-
-    def __init__(
-        self,
-        weights_dir: Path,
-        host: str = LOCAL_HOST,
-        port: int = 0,
-        token: str | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
-    ) -> None:
-        self.weights_dir = weights_dir.resolve()
-        self.host = host
-        self.requested_port = port
-        self.token = token
-        self.max_connections = max_connections
-        self.idle_timeout_s = idle_timeout_s
-        self._server: WeightHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        if self._server is None:
-            raise RuntimeError("WeightServer is not started")
-        return self._server.server_address[1]
-
-    def start(self) -> int:
-        """Bind, serve in a daemon thread, and return the bound port (useful with port=0)."""
-        if self._server is not None:
-            raise RuntimeError("WeightServer already started")
-        server = WeightHTTPServer((self.host, self.requested_port), WeightHandler, self.max_connections)
-        server.weights_dir = self.weights_dir
-        server.idle_timeout_s = self.idle_timeout_s
-        server.expected_auth = f"Bearer {self.token}".encode() if self.token else None
-        self._server = server
-        # a short poll interval only so that stop() returns promptly; the wake-ups cost nothing measurable
-        self._thread = threading.Thread(target=server.serve_forever, args=(0.05,), name="weight-server", daemon=True)
-        self._thread.start()
-        log.info("serving %s on %s:%d", self.weights_dir, self.host, self.port)
-        return self.port
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-        self._server, self._thread = None, None
-
-    def base_url(self, advertise_host: str) -> str:
-        """What generators reach this server at, e.g. the pod IP or a Service name; pass it to publish()."""
-        host = f"[{advertise_host}]" if ":" in advertise_host and not advertise_host.startswith("[") else advertise_host
-        return f"http://{host}:{self.port}"
-
-    def url_for(self, path: Path, advertise_host: str) -> str:
-        """The WeightVersion.uri of a published file of weights_dir."""
-        if not _FILE_NAME.fullmatch(path.name):
-            raise ValueError(f"{path.name} is not a published weight file name")
-        return f"{self.base_url(advertise_host)}{WEIGHTS_ROUTE}{path.name}"
-
-    def __enter__(self) -> WeightServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class WeightHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True  # a stalled download must not keep the trainer from exiting
-    request_queue_size = 128  # listen backlog: many generators connect at once when a version is published
-    weights_dir: Path
-    expected_auth: bytes | None
-    idle_timeout_s: float
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self.max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0  # connections answered 503 because every slot was taken
-        super().__init__(address, handler)
-
-    def process_request(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
-        """A thread for the connection if a slot is free; otherwise 503 from the accepting thread, and close."""
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            if self.refused == 1 or self.refused % 100 == 0:
-                log.warning(
-                    "weight endpoint busy (%d connections): %d refused so far", self.max_connections, self.refused
-                )
-            with contextlib.suppress(OSError):  # a few bytes into an empty send buffer: never blocks for long
-                request.settimeout(1.0)
-                request.sendall(_BUSY)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:  # no thread could be started: the slot is not taken after all
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind calls socket.getfqdn, a reverse DNS lookup that can hang in a pod.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
-
-
-class WeightHandler(BaseHTTPRequestHandler):
-    server: WeightHTTPServer
-    protocol_version = "HTTP/1.1"
-    timeout = 60  # per socket operation of a transfer: a client that stops reading frees its thread
-
-    def handle_one_request(self) -> None:
-        # Waiting for a request (a new connection, or between keep-alive requests) may take idle_timeout_s at most.
-        self.connection.settimeout(self.server.idle_timeout_s)
-        super().handle_one_request()
-
-    def do_GET(self) -> None:
-        self._serve(send_body=True)
-
-    def do_HEAD(self) -> None:
-        self._serve(send_body=False)
-
-    def _serve(self, send_body: bool) -> None:
-        self.connection.settimeout(self.timeout)  # the request is in: the transfer's timeout from here on
-        if not self._authorized():
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        match = _REQUEST_TARGET.fullmatch(self.path)
-        if match is None:
-            self.send_error(404)
-            return
-        offset = self._range_start()
-        if offset is None:
-            self.send_error(416, "only Range: bytes=N- is served")
-            return
-        self.send_named(match.group(1), offset, send_body)
-
-    def _range_start(self) -> int | None:
-        """The offset a `Range: bytes=N-` asks for (0 without one); None for any other Range."""
-        wanted = self.headers.get("Range")
-        if wanted is None:
-            return 0
-        match = _RANGE.fullmatch(wanted.strip())
-        return int(match.group(1)) if match else None
-
-    def send_named(self, name: str, offset: int, send_body: bool) -> None:
-        """The file `name` of weights_dir from `offset` on (a relay's handler serves its transfer instead)."""
-        fd = self._open(name)
-        if fd is None:
-            self.send_error(404)
-            return
-        with os.fdopen(fd, "rb") as f:
-            self._send_file(f, offset, send_body)
-
-    def send_head(self, size: int, offset: int) -> bool:
-        """The status and headers of bytes offset..size-1 of a file: 200 for all of it, 206 for a tail, 416 past
-        its end (False: nothing more to send)."""
-        if offset and offset >= size:
-            self.send_error(416)
-            return False
-        self.send_response(206 if offset else 200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(size - offset))
-        if offset:
-            self.send_header("Content-Range", f"bytes {offset}-{size - 1}/{size}")
-        self.end_headers()
-        return True
-
-    def _authorized(self) -> bool:
-        expected = self.server.expected_auth
-        if expected is None:
-            return True
-        got = self.headers.get("Authorization", "").encode()
-        return hmac.compare_digest(got, expected)
-
-    def _open(self, name: str) -> int | None:
-        """An open descriptor of weights_dir/name, or None. Opening first means pruning cannot cut a download."""
-        try:
-            # O_NOFOLLOW: a symlink planted in the folder cannot point the server at another file.
-            fd = os.open(self.server.weights_dir / name, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
-        return fd
-
-    def _send_file(self, f: BinaryIO, offset: int, send_body: bool) -> None:
-        size = os.fstat(f.fileno()).st_size
-        if not self.send_head(size, offset) or not send_body:
-            return
-        try:
-            self.connection.sendfile(f, offset, size - offset)
-        except OSError as err:  # the client went away (a restarting generator): nothing to clean up
-            log.debug("weight download of %s ended early: %s", self.path, err)
-            self.close_connection = True
-
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("%s %s", self.address_string(), format % args)

@@ -10,7 +10,7 @@ batch's prompts stay unacknowledged and the whole batch is sampled again: no gro
 Control plane (FastAPI, on --host:--port): GET /healthz, GET /readyz, GET /metrics (Prometheus; also alone on
 --metrics-port when given, the port a pod opens to Prometheus),
 GET /v1/weights (loaded and desired version), POST /v1/weights (a WeightVersion as JSON: load it between batches;
-with "relaySources", the ancestors' relays of weights.distribution relay, it is fetched at once by core/relay.py,
+with "relaySources", the ancestors' relays of weights.distribution relay, it is fetched at once by generator/relay.py,
 which serves it on to this generator's successors as it arrives). A posted version is accepted only if it is the
 run's published one, exactly as the trainer announced it in Redis (version, uri and sha256): the control token lets
 the reconciler say "load the latest now", never "load this file". A prompt names the oldest weight version allowed
@@ -51,7 +51,6 @@ from reinforce.core.names import CONTROL_TOKEN_ENV, ENVIRONMENT_TOKEN_ENV, LOCAL
 from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, connect
 from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, Sample, WeightVersion
-from reinforce.core.relay import Relay
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.threads import configure_threads
@@ -60,6 +59,7 @@ from reinforce.generator.engines import build_engine
 from reinforce.generator.engines.base import SampledSequence
 from reinforce.generator.engines.common import eos_token_ids
 from reinforce.generator.episodes import Episode, EpisodeRunner, ObservationFormat
+from reinforce.generator.relay import Relay
 from reinforce.generator.reward_client import RewardClient, RewardFunctionError
 
 log = logging.getLogger("reinforce.generator")
@@ -98,7 +98,8 @@ class Generator:
         relay_host: str = LOCAL_HOST,
     ) -> None:
         """`environment`: the environment service's (url, token), needed with environment.enabled. With a
-        `weights_url` the generator also relays versions to others (core/relay.py), on `relay_host`, any free port."""
+        `weights_url` the generator also relays versions to others (generator/relay.py), on `relay_host`, any free
+        port."""
         self.spec = spec
         self.name = name
         self.weights_token = weights_token  # the trainer's weight endpoint's (weights.transport http)

@@ -38,7 +38,7 @@ from reinforce.core.samples import discard_samples_after
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.core.threads import configure_threads
 from reinforce.core.trackers import Trackers
-from reinforce.core.weights import WeightServer, publish
+from reinforce.core.weights import publish
 from reinforce.trainer.algorithms import build_algorithm
 from reinforce.trainer.backends import build_backend
 from reinforce.trainer.batch import StepBatch, prompt_index
@@ -51,6 +51,7 @@ from reinforce.trainer.group_check import GroupLimits, max_group_bytes
 from reinforce.trainer.plot import plot_metrics
 from reinforce.trainer.samples import log_samples
 from reinforce.trainer.validation import Validator
+from reinforce.trainer.weight_server import WeightServer
 
 log = logging.getLogger("reinforce.trainer")
 # How each step metric combines across data-parallel ranks (the rest are averaged).

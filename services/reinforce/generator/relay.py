@@ -1,9 +1,9 @@
 """Relayed weight distribution (`weights.distribution: relay`): the trainer sends a version once, generators pass it on.
 
 The weight reconciler plans a tree of fan-out `weights.relay_fanout` over the generators it sees (1: a chain;
-plan_relay) and tells each generator, in its load request, the relay addresses of its ancestors, nearest first
-(core/generator_api.py's load_request_json: a WeightVersion plus "relaySources"; a plain WeightVersion still means a
-direct fetch).
+core/rollout.py's plan_relay) and tells each generator, in its load request, the relay addresses of its ancestors,
+nearest first (core/generator_api.py's load_request_json: a WeightVersion plus "relaySources"; a plain WeightVersion
+still means a direct fetch).
 A generator's Relay fetches the version from the nearest ancestor, checks each chunk against the published record's
 chunk_sha256 and only then appends it to the file that its own relay endpoint serves to its successors, while the rest
 is still arriving. A source that fails, refuses, sends a wrong chunk or nothing for `stall_s` is left for the next
@@ -25,7 +25,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -35,13 +35,12 @@ import httpx
 from reinforce.core import weights as weight_files
 from reinforce.core.names import LOCAL_HOST
 from reinforce.core.records_pb2 import WeightVersion
+from reinforce.core.weight_http import WeightHandler, WeightHTTPServer
 from reinforce.core.weights import (
     WEIGHTS_ROUTE,
     LoadStats,
     Transient,
     WeightError,
-    WeightHandler,
-    WeightHTTPServer,
     WeightSources,
     check_digest,
     check_status,
@@ -55,24 +54,6 @@ log = logging.getLogger(__name__)
 # How long a relay answers a request for a version it has not begun: its own load request may arrive a moment
 # after its successor's.
 BEGIN_WAIT_S = 5.0
-
-
-def plan_relay(relays: dict[str, str], fanout: int, first: Iterable[str] = ()) -> dict[str, list[str]]:
-    """Each generator's ancestors' relay urls, nearest first, in a tree of fan-out `fanout` filled breadth first.
-
-    `relays`: generator name -> its relay base url. The names in `first` (relays already holding the version) take
-    the top of the tree; the rest follow in name order, so that consecutive passes plan the same tree.
-    """
-    held = set(first)
-    order = [n for n in sorted(relays) if n in held] + [n for n in sorted(relays) if n not in held]
-    plan: dict[str, list[str]] = {}
-    for index, name in enumerate(order):
-        ancestors, parent = [], index
-        while parent > 0:
-            parent = (parent - 1) // fanout
-            ancestors.append(relays[order[parent]])
-        plan[name] = ancestors
-    return plan
 
 
 def _same_record(a: WeightVersion, b: WeightVersion) -> bool:
@@ -107,10 +88,7 @@ class Relay:
         self._cond = threading.Condition()
         self._transfer: _Transfer | None = None
         self._count = 0  # transfers begun: their files' names
-        self._server = WeightHTTPServer((host, port), RelayHandler, weight_files.MAX_CONNECTIONS)
-        self._server.weights_dir = cache_dir
-        self._server.idle_timeout_s = weight_files.IDLE_TIMEOUT_S
-        self._server.expected_auth = f"Bearer {token}".encode() if token else None
+        self._server = WeightHTTPServer((host, port), RelayHandler, cache_dir, token)
         self._server.relay = self  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
 
@@ -120,8 +98,7 @@ class Relay:
 
     def start(self) -> int:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="relay", daemon=True)
-        self._thread.start()
+        self._thread = self._server.serve_in_thread("relay")
         return self.port
 
     def stop(self) -> None:

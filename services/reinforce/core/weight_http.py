@@ -1,0 +1,218 @@
+"""The weight endpoint both sides run: GET and HEAD /v1/weights/vNNNNNN.safetensors, on the standard library's
+http.server, served by the trainer (trainer/weight_server.py, its published files) and by a relaying generator
+(generator/relay.py, the version it is receiving).
+
+http.server rather than the control planes' FastAPI: the body goes out with sendfile(2), so a 540 MB file is never
+read into Python memory, and each connection is one thread, at most MAX_CONNECTIONS of them. It answers as those
+control planes do (core/http_kit.py): the same constant-time bearer check (401 before the path is looked at, so an
+unauthenticated client learns nothing about which versions exist) and every error's body {"detail": ...}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import socketserver
+import stat
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import BinaryIO
+
+from reinforce.core.http_kit import bearer_matches, error_body, unauthorized_detail
+from reinforce.core.weights import FILE_NAME, WEIGHTS_ROUTE
+
+log = logging.getLogger(__name__)
+
+# The only names ever served: what weights.weight_path writes. Matched against the raw request target, never a decoded
+# one, so "..", "%2F", "%00", query strings and other files of the folder (.tmp) cannot get through.
+_REQUEST_TARGET = re.compile(re.escape(WEIGHTS_ROUTE) + r"(" + FILE_NAME.pattern + r")")
+# The one form of Range request served: from an offset to the end (a relayed transfer resuming at another source).
+_RANGE = re.compile(r"bytes=([0-9]{1,15})-")
+
+# The weight endpoint's bounds: concurrent connections (each one thread), and how long one may wait to send a request.
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 5.0
+_BUSY_BODY = error_body("every connection slot is taken: retry")
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
+class WeightHTTPServer(ThreadingHTTPServer):
+    """Serves `weights_dir` with `handler` (WeightHandler or a subclass); with `token`, every request needs
+    `Authorization: Bearer <token>`. A connection beyond `max_connections` is answered 503 and closed (the
+    generators' fetch retries it); one that sends no request within `idle_timeout_s` is closed, so idle ones cannot
+    hold the slots."""
+
+    daemon_threads = True  # a stalled download must not keep the trainer from exiting
+    request_queue_size = 128  # listen backlog: many generators connect at once when a version is published
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[WeightHandler],
+        weights_dir: Path,
+        token: str | None,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.weights_dir = weights_dir
+        self.token = token or None  # None or empty: every request is served
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # connections answered 503 because every slot was taken
+        super().__init__(address, handler)
+
+    def serve_in_thread(self, name: str) -> threading.Thread:
+        """Serve in a started daemon thread; shutdown() ends it."""
+        # a short poll interval only so that shutdown() returns promptly; the wake-ups cost nothing measurable
+        thread = threading.Thread(target=self.serve_forever, args=(0.05,), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
+        """A thread for the connection if a slot is free; otherwise 503 from the accepting thread, and close."""
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:  # no thread could be started: the slot is not taken after all
+            self._slots.release()
+            raise
+
+    def _refuse(self, request: socket.socket) -> None:
+        self.refused += 1
+        if self.refused == 1 or self.refused % 100 == 0:
+            log.warning("weight endpoint busy (%d connections): %d refused so far", self.max_connections, self.refused)
+        with contextlib.suppress(OSError):  # a few bytes into an empty send buffer: never blocks for long
+            request.settimeout(1.0)
+            request.sendall(_BUSY)
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls socket.getfqdn, a reverse DNS lookup that can hang in a pod.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+
+class WeightHandler(BaseHTTPRequestHandler):
+    """GET and HEAD of a published file of the server's weights_dir, whole (200) or from `Range: bytes=N-` (206)."""
+
+    server: WeightHTTPServer
+    protocol_version = "HTTP/1.1"
+    timeout = 60  # per socket operation of a transfer: a client that stops reading frees its thread
+
+    def handle_one_request(self) -> None:
+        # Waiting for a request (a new connection, or between keep-alive requests) may take idle_timeout_s at most.
+        self.connection.settimeout(self.server.idle_timeout_s)
+        super().handle_one_request()
+
+    def do_GET(self) -> None:
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(send_body=False)
+
+    def _serve(self, send_body: bool) -> None:
+        self.connection.settimeout(self.timeout)  # the request is in: the transfer's timeout from here on
+        token = self.server.token
+        if token is not None and not bearer_matches(self.headers.get("Authorization"), token):
+            self.send_error(HTTPStatus.UNAUTHORIZED, unauthorized_detail("weights token"))
+            return
+        match = _REQUEST_TARGET.fullmatch(self.path)
+        if match is None:
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return
+        offset = self._range_start()
+        if offset is None:
+            self.send_error(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, "only Range: bytes=N- is served")
+            return
+        self.send_named(match.group(1), offset, send_body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Every error, this handler's and http.server's own (a malformed request line), with the control planes'
+        body {"detail": message} (core/http_kit.py) rather than http.server's HTML page; the connection closes."""
+        self.log_error("code %d, message %s", code, message)
+        status = HTTPStatus(code)
+        body = error_body(message or status.phrase)
+        self.send_response(status)
+        if status == HTTPStatus.UNAUTHORIZED:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.send_header("Connection", "close")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _range_start(self) -> int | None:
+        """The offset a `Range: bytes=N-` asks for (0 without one); None for any other Range."""
+        wanted = self.headers.get("Range")
+        if wanted is None:
+            return 0
+        match = _RANGE.fullmatch(wanted.strip())
+        return int(match.group(1)) if match else None
+
+    def send_named(self, name: str, offset: int, send_body: bool) -> None:
+        """The file `name` of weights_dir from `offset` on (a relay's handler serves its transfer instead)."""
+        fd = self._open(name)
+        if fd is None:
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return
+        with os.fdopen(fd, "rb") as f:
+            self._send_file(f, offset, send_body)
+
+    def send_head(self, size: int, offset: int) -> bool:
+        """The status and headers of bytes offset..size-1 of a file: 200 for all of it, 206 for a tail, 416 past
+        its end (False: nothing more to send)."""
+        if offset and offset >= size:
+            self.send_error(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
+            return False
+        self.send_response(206 if offset else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(size - offset))
+        if offset:
+            self.send_header("Content-Range", f"bytes {offset}-{size - 1}/{size}")
+        self.end_headers()
+        return True
+
+    def _open(self, name: str) -> int | None:
+        """An open descriptor of weights_dir/name, or None. Opening first means pruning cannot cut a download."""
+        try:
+            # O_NOFOLLOW: a symlink planted in the folder cannot point the server at another file.
+            fd = os.open(self.server.weights_dir / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return fd
+
+    def _send_file(self, f: BinaryIO, offset: int, send_body: bool) -> None:
+        size = os.fstat(f.fileno()).st_size
+        if not self.send_head(size, offset) or not send_body:
+            return
+        try:
+            self.connection.sendfile(f, offset, size - offset)
+        except OSError as err:  # the client went away (a restarting generator): nothing to clean up
+            log.debug("weight download of %s ended early: %s", self.path, err)
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
