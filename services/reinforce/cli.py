@@ -14,7 +14,7 @@ from reinforce.core.spec import SpecError
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and its arguments (the docs' CLI reference is generated from this parser)."""
-    from reinforce.core.dali_prompts import add_shard_prompts_command
+    from reinforce.core.prompt_shards import add_shard_prompts_command
     from reinforce.core.rollout import add_rollout_command
     from reinforce.generator.answer import add_generate_command
     from reinforce.operator.main import add_operator_command

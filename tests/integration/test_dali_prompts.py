@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 from runs import BASELINE_TRAINING, max_weight_difference, reinforce, write_spec
 
-from reinforce.core.data import DataError, PromptCursor, prompt_answer, read_prompt_file
+from reinforce.core.data import DataError, prompt_answer, read_prompt_file
 from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.prompt_encoding import encode_prompt_checked
 from reinforce.core.spec import DataSpec, RunSpec, load_spec
+from reinforce.trainer.cursors import PromptCursor
 
 pytest.importorskip("nvidia.dali")
 
-from reinforce.core.dali_prompts import DaliPromptCursor, write_shards
+from reinforce.core.prompt_shards import write_shards
+from reinforce.trainer.dali_cursor import DaliPromptCursor
 
 
 @pytest.fixture(scope="module")

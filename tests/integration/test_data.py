@@ -10,12 +10,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from reinforce.core.data import DataError, PromptCursor, load_prompts, read_prompt_file
+from reinforce.core.data import DataError, load_prompts, read_prompt_file
 from reinforce.core.metrics import STEP_METRICS
 from reinforce.core.policy import build_char_tokenizer, materialize_policy
 from reinforce.core.prompt_encoding import encode_prompt, encode_prompt_checked
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.spec import DataSpec, RunSpec
+from reinforce.trainer.cursors import PromptCursor
 from reinforce.trainer.main import Trainer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "data"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from reinforce.core.data import PromptCursor
 from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.collect import GroupCollector
+from reinforce.trainer.cursors import PromptCursor
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.dynamic_sampling import GroupFilter
 from reinforce.trainer.feed import PromptFeeder

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from reinforce.core.data import ChatPrompt, DataError, PromptCursor, prompt_answer, read_prompt_file
+from reinforce.core.data import ChatPrompt, DataError, prompt_answer, read_prompt_file
 from reinforce.core.policy import build_char_tokenizer
 from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import DataSpec
+from reinforce.trainer.cursors import PromptCursor
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

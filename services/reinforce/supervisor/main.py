@@ -31,7 +31,6 @@ from transformers import AutoConfig
 
 from reinforce.core import launch
 from reinforce.core.checkpoints import ForeignCheckpoint, refuse_foreign_checkpoints
-from reinforce.core.dali_prompts import read_shard_index
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.launch_flags import (
@@ -58,6 +57,7 @@ from reinforce.core.names import (
 )
 from reinforce.core.optional import MissingPackage, require_backend, require_engine
 from reinforce.core.policy import materialize_policy
+from reinforce.core.prompt_shards import read_shard_index
 from reinforce.core.queue import RolloutQueue, connect
 from reinforce.core.rollout import WeightReconciler, relay_fanout
 from reinforce.core.run_dir import RunPaths, ensure_run_id

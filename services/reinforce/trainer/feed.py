@@ -6,12 +6,13 @@ import hashlib
 
 from transformers import PreTrainedTokenizerBase
 
-from reinforce.core.data import DataCursor, prompt_answer
+from reinforce.core.data import prompt_answer
 from reinforce.core.environment_api import prompt_data
 from reinforce.core.prompt_encoding import encode_prompt_checked
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup
 from reinforce.core.spec import RunSpec
+from reinforce.trainer.cursors import DataCursor
 
 DATA_STATS = ("data/truncated_prompts", "data/skipped_long_prompts")
 

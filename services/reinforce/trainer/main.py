@@ -23,7 +23,7 @@ import torch
 from prometheus_client import start_http_server
 from transformers import AutoConfig
 
-from reinforce.core.data import DataCursor, PromptCursor, read_prompt_file
+from reinforce.core.data import read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.environment_api import prompt_data
 from reinforce.core.launch import TRAINER
@@ -44,6 +44,7 @@ from reinforce.trainer.backends import build_backend
 from reinforce.trainer.batch import StepBatch, prompt_index
 from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from reinforce.trainer.collect import GroupCollector
+from reinforce.trainer.cursors import DataCursor, PromptCursor
 from reinforce.trainer.distributed import Ranks
 from reinforce.trainer.dynamic_sampling import GroupFilter
 from reinforce.trainer.feed import PromptFeeder
@@ -374,7 +375,7 @@ def peak_rss_bytes() -> int:
 def open_prompt_cursor(spec: RunSpec) -> DataCursor:
     """The data cursor of data.loader: over the prompt file (default), or over pre-tokenized shards (dali)."""
     if spec.data.loader == "dali":
-        from reinforce.core.dali_prompts import DaliPromptCursor
+        from reinforce.trainer.dali_cursor import DaliPromptCursor
 
         # the shards were tokenized with the tools' instructions in the system prompt, if the run puts them there
         return DaliPromptCursor(spec.data.prompts, spec.seed, spec.data.shuffle, prompt_data(spec))
