@@ -179,8 +179,10 @@ class Relay:
             if transfer.verified != weights.num_bytes:
                 raise WeightError(f"weight version {weights.version}: no source sent it whole (the trainer's last)")
             check_digest(weights, weights.uri, whole.hexdigest())
-            self._end(transfer, done=True, seconds=time.perf_counter() - start)
-            log.info("weight version %d relayed in %.2fs: %s", weights.version, transfer.fetch_seconds, ", ".join(used))
+            seconds = time.perf_counter() - start
+            # logged before the loader is woken, so that whoever loads it finds the line already written
+            log.info("weight version %d relayed in %.2fs: %s", weights.version, seconds, ", ".join(used))
+            self._end(transfer, done=True, seconds=seconds)
         except (WeightError, OSError) as err:
             log.error("relay: %s", err)
             self._end(transfer, failed=str(err))
