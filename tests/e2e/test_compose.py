@@ -9,6 +9,7 @@ the machine), and the last test here runs it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,33 +19,50 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from conftest import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from promserver import COMPONENTS as PPO_COMPONENTS
 from promserver import PROMETHEUS, PrometheusAPI, assert_every_dashboard_query_answers, wait_until_scraped
 
 from reinforce.core import launch
-from reinforce.core.launch_flags import EnvironmentFlags
+from reinforce.core.environment_api import RUN_PATH
+from reinforce.core.launch_flags import EnvironmentFlags, RewardFlags
 from reinforce.core.metrics import read_metrics
 from reinforce.core.names import COMPONENTS as ALL_COMPONENTS
 from reinforce.core.names import (
     CONTROL_TOKEN_ENV,
     CRITIC_TOKEN_ENV,
     ENVIRONMENT_TOKEN_ENV,
+    METRICS_PATH,
+    READY_PATH,
     REDIS_URL_ENV,
+    REWARD_READY_PATH,
     WEIGHTS_TOKEN_ENV,
 )
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import read_samples, sample_steps
-from reinforce.core.spec import EnvironmentSpec
+from reinforce.core.spec import CODE_TESTS_REWARD, EnvironmentSpec
 from reinforce.operator import children
+from reinforce.reward.rewards import final_code
+from tests.integration.test_code_reward_server import (
+    OUTPUT_LIMIT,
+    SOLUTIONS,
+    TIME_LIMIT_S,
+    assert_scores_the_solutions,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 TOOLS_OVERRIDE = ROOT / "compose" / "tools.yml"  # the profile `tools` wired to the generators
+CODE_TESTS_OVERRIDE = ROOT / "compose" / "code-tests.yml"  # and to the reward server, for reward.function code_tests
+RELAY = "environment-metrics"  # compose/tools.yml's relay of the environment's /metrics (profile monitoring)
+SOCKET_DIR = "/run/reinforce-environment"  # the volume environment-socket in each container that mounts it
 PROMETHEUS_CONFIG = ROOT / "compose" / "prometheus.yml"  # the `prometheus` service's, @RUN@ -> $REINFORCE_RUN
 EXAMPLES = ROOT / "examples"
 SPEC_IN_CONTAINER = "/etc/reinforce/spec.yaml"
@@ -120,7 +138,11 @@ def test_each_compose_service_holds_only_its_launch_credentials():
     assert held["generator-0"] == set(launch.GENERATOR.credentials) - {ENVIRONMENT_TOKEN_ENV}
     assert held["environment"] == set(launch.ENVIRONMENT.credentials)
     tools = yaml.safe_load(TOOLS_OVERRIDE.read_text())["services"]
-    assert set(tools) == {"generator-0"} and set(tools["generator-0"]["environment"]) == {ENVIRONMENT_TOKEN_ENV}
+    assert set(tools) == {"generator-0", RELAY} and set(tools["generator-0"]["environment"]) == {ENVIRONMENT_TOKEN_ENV}
+    assert "environment" not in tools[RELAY]  # it relays /metrics, open on the service too
+    # and to the reward server only for reward.function code_tests, in a file of its own (launch.holds)
+    code_tests = yaml.safe_load(CODE_TESTS_OVERRIDE.read_text())["services"]
+    assert set(code_tests) == {"reward"} and set(code_tests["reward"]["environment"]) == {ENVIRONMENT_TOKEN_ENV}
     assert held["trainer"] == set(launch.TRAINER.credentials)
     assert held["critic"] == set(launch.CRITIC.credentials)
     assert held["rollout"] == set(launch.ROLLOUT_CREDENTIALS)
@@ -147,17 +169,49 @@ def test_compose_environment_is_confined_as_the_operators_pod():
     spec = EnvironmentSpec()  # the memory the pod gets by default (operator/children.py _environment_resources)
     memory_mib = spec.max_concurrent_calls * spec.memory_limit_mb + children.ENVIRONMENT_SERVICE_MEMORY_MIB
     assert env["mem_limit"] == f"{memory_mib}m"
-    socket_dir = "/run/reinforce-environment"
     uds = env["command"][-1]
     assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, EnvironmentFlags(uds=uds))
-    assert uds == f"{socket_dir}/api.sock" and f"environment-socket:{socket_dir}:rw" in env["volumes"]
+    assert uds == f"{SOCKET_DIR}/api.sock" and f"environment-socket:{SOCKET_DIR}:rw" in env["volumes"]
     assert uds in env["healthcheck"]["test"] and launch.ENVIRONMENT.ready_path in env["healthcheck"]["test"][-1]
     default = yaml.safe_load(COMPOSE.read_text())["services"]["generator-0"]
     generator = services["generator-0"]
     assert generator["command"] == [*default["command"], "--environment-url", f"unix:{uds}"]
-    assert f"environment-socket:{socket_dir}:ro" in generator["volumes"]
+    assert f"environment-socket:{SOCKET_DIR}:ro" in generator["volumes"]
     assert generator["depends_on"]["environment"] == {"condition": "service_healthy"}
     assert generator["environment"][ENVIRONMENT_TOKEN_ENV] == env["environment"][ENVIRONMENT_TOKEN_ENV]
+
+
+@needs_compose
+def test_compose_code_tests_wires_the_reward_server_to_the_environment():
+    """compose/code-tests.yml gives the reward server what reward.function code_tests needs, and nothing else: the
+    command of docker-compose.yml with --environment-url (the environment's socket), the socket's volume read-only and
+    the environment's token; it starts once the environment is healthy."""
+    services = compose_config(TOOLS_OVERRIDE, CODE_TESTS_OVERRIDE)["services"]
+    env, reward = services["environment"], services["reward"]
+    uds = env["command"][-1]
+    default = yaml.safe_load(COMPOSE.read_text())["services"]["reward"]
+    assert reward["command"] == [*default["command"], "--environment-url", f"unix:{uds}"]
+    _, flags = RewardFlags.parse(launch.REWARD.parser("reward"), reward["command"][3:])
+    assert flags.environment_url == f"unix:{uds}"
+    assert f"environment-socket:{SOCKET_DIR}:ro" in reward["volumes"] and len(reward["volumes"]) == 2  # and the spec
+    assert reward["environment"] == {ENVIRONMENT_TOKEN_ENV: env["environment"][ENVIRONMENT_TOKEN_ENV]}
+    assert reward["depends_on"] == {"environment": {"condition": "service_healthy"}}
+    assert "network_mode" not in reward  # the generators reach it over the network as before
+
+
+@needs_compose
+def test_compose_environment_metrics_relay_is_on_the_network_and_the_environment_is_not():
+    """compose/tools.yml's relay (profile monitoring) reads the environment's socket and serves its /metrics on the
+    network; the environment itself keeps no network, and the relay holds no secret and can write nothing."""
+    services = compose_config(TOOLS_OVERRIDE)["services"]
+    relay, env = services[RELAY], services["environment"]
+    assert env["network_mode"] == "none" and "network_mode" not in relay
+    assert relay["profiles"] == ["monitoring"] and "environment" not in relay
+    assert relay["volumes"] == [f"environment-socket:{SOCKET_DIR}:ro"]
+    assert relay["read_only"] is True and relay["cap_drop"] == ["ALL"] and relay["user"] == env["user"]
+    assert relay["security_opt"] == env["security_opt"]
+    assert relay["command"][relay["command"].index("--uds") + 1] == env["command"][-1]
+    assert relay["depends_on"] == {"environment": {"condition": "service_healthy"}}
 
 
 @needs_compose
@@ -230,6 +284,46 @@ def health_argv(service: dict) -> list[str] | None:
     return rest if kind == "CMD" else ["sh", "-c", *rest]
 
 
+def log_tail(tmp_path: Path, name: str) -> str:
+    return (tmp_path / "logs" / f"{name}.log").read_text()[-3000:]
+
+
+@contextlib.contextmanager
+def compose_processes(services: dict, tmp_path: Path) -> Iterator[tuple[dict[str, subprocess.Popen], dict[str, int]]]:
+    """The services as local processes (Localize), in the file's start order, each started once its dependencies'
+    health checks pass; yields them by name and the ports (each fixed port of the file -> its local one). Every one
+    still running is stopped on exit; their logs are in tmp_path/logs."""
+    ports: dict[str, int] = defaultdict(free_port)
+    env_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python`, `reinforce`: this venv's
+    (tmp_path / "logs").mkdir()
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name in start_order(services):
+            service = services[name]
+            localize = Localize(list(services), volume_folders(service, tmp_path), ports)
+            env = {**os.environ, "PATH": env_path}
+            env.update({key: localize(str(value)) for key, value in service.get("environment", {}).items()})
+            with (tmp_path / "logs" / f"{name}.log").open("w") as log:
+                procs[name] = subprocess.Popen(
+                    localize.argv(service["command"]), env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            if (check := health_argv(service)) is None:
+                continue
+            deadline = time.monotonic() + 180
+            while subprocess.run(localize.argv(check), env=env, capture_output=True).returncode != 0:
+                assert procs[name].poll() is None, f"{name} exited:\n{log_tail(tmp_path, name)}"
+                assert time.monotonic() < deadline, f"{name} not healthy in 180 s:\n{log_tail(tmp_path, name)}"
+                time.sleep(0.5)
+        yield procs, ports
+    finally:
+        for proc in reversed(procs.values()):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(timeout=30)
+
+
 @needs_compose
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -251,41 +345,9 @@ def test_compose_commands_train_the_tiny_example(tmp_path, compose_spec, profile
     services = compose_config(*overrides, REINFORCE_SPEC=str(spec_file), REINFORCE_RUN=spec["name"])["services"]
     # `docker-compose config` lists every profile's services; `up` starts those of no profile or of the chosen one
     services = {name: s for name, s in services.items() if profile in s.get("profiles", [profile])}
-    ports: dict[str, int] = defaultdict(free_port)
-    env_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python`, `reinforce`: this venv's
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    procs: dict[str, subprocess.Popen] = {}
-
-    def log_tail(name: str) -> str:
-        return (logs / f"{name}.log").read_text()[-3000:]
-
-    try:
-        for name in start_order(services):
-            service = services[name]
-            localize = Localize(list(services), volume_folders(service, tmp_path), ports)
-            env = {**os.environ, "PATH": env_path}
-            env.update({key: localize(str(value)) for key, value in service.get("environment", {}).items()})
-            with (logs / f"{name}.log").open("w") as log:
-                procs[name] = subprocess.Popen(
-                    localize.argv(service["command"]), env=env, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
-            if (check := health_argv(service)) is None:
-                continue
-            deadline = time.monotonic() + 180
-            while subprocess.run(localize.argv(check), env=env, capture_output=True).returncode != 0:
-                assert procs[name].poll() is None, f"{name} exited:\n{log_tail(name)}"
-                assert time.monotonic() < deadline, f"{name} not healthy in 180 s:\n{log_tail(name)}"
-                time.sleep(0.5)
+    with compose_processes(services, tmp_path) as (procs, _):
         code = procs["trainer"].wait(timeout=300)
-        assert code == 0, log_tail("trainer")
-    finally:
-        for proc in reversed(procs.values()):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            proc.wait(timeout=30)
+        assert code == 0, log_tail(tmp_path, "trainer")
     paths = RunPaths(tmp_path / "run")
     assert [row["step"] for row in read_metrics(paths.metrics)] == [1, 2, 3]
     assert (paths.checkpoints / "step-000003").is_dir()
@@ -318,13 +380,8 @@ def test_compose_stack_in_containers_trains_the_tiny_example(tmp_path):
     assert summary.startswith(f"compose-smoke: {steps} steps in "), summary
 
 
-@needs_compose
-@pytest.mark.slow
-@pytest.mark.docker
-def test_compose_tools_stack_in_containers_trains_the_tiny_tools_example(tmp_path):
-    """Profile tools with compose/tools.yml, in containers: examples/compose-tools.yaml trains to its end, the
-    generator's episodes reaching the confined environment container over its Unix socket (the samples' tool calls
-    can have come from nowhere else)."""
+def build_images(tmp_path: Path) -> None:
+    """scripts/build-images.sh (every image, or those out of date), its log in tmp_path/build.log."""
     if os.geteuid() != 0:
         pytest.skip("needs root: scripts/build-images.sh runs debootstrap and dockerd")
     with (tmp_path / "build.log").open("w") as log:
@@ -332,19 +389,47 @@ def test_compose_tools_stack_in_containers_trains_the_tiny_tools_example(tmp_pat
             ["bash", str(ROOT / "scripts" / "build-images.sh")], stdout=log, stderr=log, timeout=1800
         )
     assert built.returncode == 0, (tmp_path / "build.log").read_text()[-3000:]
-    spec = yaml.safe_load((EXAMPLES / "compose-tools.yaml").read_text())
-    env = {**os.environ, "REINFORCE_SPEC": str(EXAMPLES / "compose-tools.yaml"), "REINFORCE_RUN": spec["name"]}
+
+
+def compose_env(spec_file: Path, run: str, **extra: str) -> dict[str, str]:
+    """docker-compose's environment for a run of `spec_file` named `run`."""
+    env = {**os.environ, "REINFORCE_SPEC": str(spec_file), "REINFORCE_RUN": run, **extra}
     if subprocess.run(["docker", "image", "inspect", "redis:7.0"], capture_output=True).returncode != 0:
         env["REINFORCE_REDIS_IMAGE"] = "reinforce-redis:0.1.0"  # build-images.sh's, where none can be pulled
+    return env
+
+
+@needs_compose
+@pytest.mark.slow
+@pytest.mark.docker
+def test_compose_tools_stack_in_containers_trains_the_tiny_tools_example(tmp_path):
+    """Profile tools with compose/tools.yml, in containers, with the profile monitoring: examples/compose-tools.yaml
+    trains to its end, the generator's episodes reaching the confined environment container over its Unix socket (the
+    samples' tool calls can have come from nowhere else), and Prometheus scrapes the environment's metrics through
+    the relay environment-metrics: it counted at least the calculator calls of the samples kept."""
+    build_images(tmp_path)
+    spec = yaml.safe_load((EXAMPLES / "compose-tools.yaml").read_text())
+    run = spec["name"]
+    port = free_port()
+    env = compose_env(EXAMPLES / "compose-tools.yaml", run, REINFORCE_PROMETHEUS_PORT=str(port))
     project = "reinforce-tools-test"
     compose = [DOCKER_COMPOSE, "--project-name", project, "--file", str(COMPOSE), "--file", str(TOOLS_OVERRIDE),
-               "--profile", "tools"]  # fmt: skip
+               "--profile", "tools", "--profile", "monitoring"]  # fmt: skip
     subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)  # what an interrupted run left
     try:
-        with (tmp_path / "up.log").open("w") as log:
-            up = subprocess.run([*compose, "up", "--exit-code-from", "trainer"], env=env, stdout=log, stderr=log,
-                                timeout=1200)  # fmt: skip
-        assert up.returncode == 0, (tmp_path / "up.log").read_text()[-5000:]
+        up = subprocess.run([*compose, "up", "--detach"], env=env, capture_output=True, text=True, timeout=600)
+        assert up.returncode == 0, up.stderr[-3000:]
+        trainer = subprocess.run([*compose, "ps", "-q", "trainer"], env=env, capture_output=True, text=True,
+                                 check=True).stdout.strip()  # fmt: skip
+        exited = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=1200)
+        if exited.stdout.strip() != "0":
+            logs = subprocess.run([*compose, "logs", "--tail", "30"], env=env, capture_output=True, text=True)
+            pytest.fail(f"the trainer exited {exited.stdout.strip()}:\n{logs.stdout[-5000:]}")
+        time.sleep(5)  # two more of Prometheus' 2 s scrapes: the environment's count includes every call trained on
+        prometheus = PrometheusAPI(f"http://127.0.0.1:{port}")
+        at = time.time()
+        calls = prometheus.query(f'reinforce_environment_tool_calls_total{{run="{run}",tool="calculator"}}', at)
+        environment_up = prometheus.query(f'up{{run="{run}",component="environment"}}', at)
         volume = subprocess.run(["docker", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{project}_run"],
                                 capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
         paths = RunPaths(Path(volume) / "run")
@@ -355,14 +440,103 @@ def test_compose_tools_stack_in_containers_trains_the_tiny_tools_example(tmp_pat
     assert steps == list(range(1, spec["training"]["steps"] + 1))
     called = [s for s in samples if s["tool_calls"] > 0]
     assert called and all(s["turns"] in (1, 2) for s in called)
-    print(f"compose tools: {len(steps)} steps, {len(called)} of {len(samples)} kept samples called the calculator")
+    assert [(r["metric"]["instance"], r["value"][1]) for r in environment_up] == [(RELAY, "1")]
+    [counted] = [float(r["value"][1]) for r in calls]
+    assert counted >= sum(s["tool_calls"] for s in samples)
+    print(f"compose tools: {len(steps)} steps, {len(called)} of {len(samples)} kept samples called the calculator, "
+          f"the environment counted {counted:.0f} calls")  # fmt: skip
+
+
+def code_tests_spec() -> dict:
+    """examples/compose-tools.yaml scoring with reward.function code_tests, with the limits that
+    tests/integration/test_code_reward_server.py's solutions are scored under."""
+    spec = yaml.safe_load((EXAMPLES / "compose-tools.yaml").read_text())
+    spec["reward"] = {"type": "python", "function": CODE_TESTS_REWARD, "max_batch_size": len(SOLUTIONS)}
+    spec["environment"].update(time_limit_s=TIME_LIMIT_S, output_limit_chars=OUTPUT_LIMIT)
+    return spec
+
+
+def run_requests(metrics_text: str) -> float:
+    """The environment's POST /v1/run requests in its /metrics text."""
+    [family] = [f for f in text_string_to_metric_families(metrics_text) if f.name == "reinforce_environment_requests"]
+    return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["endpoint"] == RUN_PATH)
+
+
+@needs_compose
+@pytest.mark.slow
+def test_compose_code_tests_reward_scores_in_the_environment_and_its_relay_counts_the_runs(tmp_path):
+    """The environment, the reward server and the metrics relay of compose/tools.yml and code-tests.yml, as local
+    processes: the reward server scores hand-written solutions (escapes included) by running them with their tests in
+    the environment service over its socket; the relay's /metrics (the environment's) counts a POST /v1/run per
+    solution with a code block; it answers nothing else, and 502 once the environment is gone."""
+    if shutil.which("curl") is None:
+        pytest.skip("needs curl, the services' health checks (make install installs it)")
+    spec = code_tests_spec()
+    spec["run_dir"] = str(tmp_path / "run")
+    spec["data"]["prompts"] = spec["data"]["prompts"].replace(IMAGE_EXAMPLES, str(EXAMPLES))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    services = compose_config(TOOLS_OVERRIDE, CODE_TESTS_OVERRIDE, REINFORCE_SPEC=str(tmp_path / "spec.yaml"))
+    services = {name: services["services"][name] for name in ("environment", "reward", RELAY)}
+    with compose_processes(services, tmp_path) as (procs, ports):
+        assert_scores_the_solutions(f"http://127.0.0.1:{ports['8000']}")
+        relay = f"http://127.0.0.1:{ports['5559']}"
+        metrics = httpx.get(relay + METRICS_PATH, timeout=10)
+        assert metrics.status_code == 200 and run_requests(metrics.text) == sum(
+            final_code(response) is not None for response, _ in SOLUTIONS.values()
+        )
+        assert httpx.get(relay + READY_PATH, timeout=10).status_code == 404
+        os.killpg(procs["environment"].pid, signal.SIGTERM)
+        procs["environment"].wait(timeout=30)
+        assert httpx.get(relay + METRICS_PATH, timeout=10).status_code == 502
+
+
+@needs_compose
+@pytest.mark.slow
+@pytest.mark.docker
+def test_compose_code_tests_reward_scores_in_the_environment_container(tmp_path):
+    """compose/code-tests.yml in containers: the reward container scores hand-written solutions (escapes included) by
+    running them with their tests in the confined environment container, over its socket (its port published on a
+    free host port for this test only)."""
+    build_images(tmp_path)
+    spec = code_tests_spec()
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    port = free_port()
+    publish = tmp_path / "publish.yml"
+    publish.write_text(
+        yaml.safe_dump({"version": "2.4", "services": {"reward": {"ports": [f"127.0.0.1:{port}:8000"]}}})
+    )
+    env = compose_env(tmp_path / "spec.yaml", spec["name"])
+    compose = [DOCKER_COMPOSE, "--project-name", "reinforce-code-tests-test", "--file", str(COMPOSE),
+               "--file", str(TOOLS_OVERRIDE), "--file", str(CODE_TESTS_OVERRIDE), "--file", str(publish),
+               "--profile", "tools"]  # fmt: skip
+    subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)  # what an interrupted run left
+    try:
+        up = subprocess.run([*compose, "up", "--detach", "reward"], env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+        assert up.returncode == 0, up.stderr[-3000:]
+        deadline = time.monotonic() + 180
+        while not reward_ready(f"http://127.0.0.1:{port}"):
+            if time.monotonic() > deadline:
+                logs = subprocess.run([*compose, "logs", "--tail", "30"], env=env, capture_output=True, text=True)
+                pytest.fail(f"the reward container not ready in 180 s:\n{logs.stdout[-5000:]}")
+            time.sleep(1)
+        assert_scores_the_solutions(f"http://127.0.0.1:{port}")
+    finally:
+        subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True, timeout=300)
+
+
+def reward_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + REWARD_READY_PATH, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def metrics_ports(services: dict) -> dict[str, int]:
     """Compose service -> the port its command serves /metrics on (Triton's --metrics-port, the trainer's
-    --metrics-port, else the service's one --port)."""
+    --metrics-port, else the service's one --port; the environment's relay's --port)."""
     ports = {}
-    for name in COMPONENTS:
+    for name in [*COMPONENTS, RELAY]:
         command = services[name]["command"]
         flag = "--metrics-port" if "--metrics-port" in command else "--port"
         ports[name] = int(command[command.index(flag) + 1])
@@ -371,8 +545,10 @@ def metrics_ports(services: dict) -> dict[str, int]:
 
 def test_compose_prometheus_scrapes_every_service_at_its_metrics_port():
     """compose/prometheus.yml: one job per service that exports metrics, named as the service (its DNS name, its
-    `instance` label, and before the first '-' its `component`), at the port the service's command serves."""
+    `instance` label, and before the first '-' its `component`), at the port the service's command serves; the
+    environment (no network) through its relay in compose/tools.yml."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
+    services[RELAY] = yaml.safe_load(TOOLS_OVERRIDE.read_text())["services"][RELAY]
     jobs = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
     found = {}
     for job in jobs:
@@ -402,20 +578,12 @@ def test_compose_prometheus_answers_the_ppo_dashboard(tmp_path):
     """Issue #28, item 4: the stack with profiles ppo and monitoring, in containers, on a longer tiny-ppo: while it
     trains, its own Prometheus (published on a free host port) answers every panel query of every dashboard but the
     environment's, sees each service up, and has the chart's alert rules loaded and healthy."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/build-images.sh runs debootstrap and dockerd")
-    build = ["bash", str(ROOT / "scripts" / "build-images.sh")]
-    with (tmp_path / "build.log").open("w") as log:
-        built = subprocess.run(build, stdout=log, stderr=log, timeout=1800)
-    assert built.returncode == 0, (tmp_path / "build.log").read_text()[-3000:]
+    build_images(tmp_path)
     spec = yaml.safe_load((EXAMPLES / "compose-ppo.yaml").read_text())
     spec["training"].update(steps=500, checkpoint_every=500)  # still training when checked; `down` ends it
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     port = free_port()
-    env = {**os.environ, "REINFORCE_SPEC": str(tmp_path / "spec.yaml"), "REINFORCE_RUN": spec["name"],
-           "REINFORCE_PROMETHEUS_PORT": str(port)}  # fmt: skip
-    if subprocess.run(["docker", "image", "inspect", "redis:7.0"], capture_output=True).returncode != 0:
-        env["REINFORCE_REDIS_IMAGE"] = "reinforce-redis:0.1.0"  # build-images.sh's, where none can be pulled
+    env = compose_env(tmp_path / "spec.yaml", spec["name"], REINFORCE_PROMETHEUS_PORT=str(port))
     compose = [DOCKER_COMPOSE, "--project-name", "reinforce-prometheus-test", "--file", str(COMPOSE),
                "--profile", "ppo", "--profile", "monitoring"]  # fmt: skip
     subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)  # what an interrupted run left

@@ -159,9 +159,9 @@ def test_code_tests_scores_hand_written_solutions(services) -> None:
     assert dict(zip(SOLUTIONS, rewards, strict=True)) == {name: reward for name, (_, reward) in SOLUTIONS.items()}
 
 
-def test_the_reward_server_scores_code_with_the_environments_sandbox(services) -> None:
-    """Through Triton: the reward server holds the environment's URL and token and scores by running the tests."""
-    _, reward_url = services
+def assert_scores_the_solutions(reward_url: str) -> None:
+    """The reward server at `reward_url` (Triton's HTTP, reward.function code_tests) gives each of SOLUTIONS its
+    reward, asked by the generators' reward client (tests/e2e/test_compose.py asks the compose services too)."""
     names = list(SOLUTIONS)
     responses = [SOLUTIONS[name][0] for name in names]
     client = RewardClient(reward_url, timeout_s=60.0, max_retries=0, max_batch_size=16)
@@ -170,6 +170,11 @@ def test_the_reward_server_scores_code_with_the_environments_sandbox(services) -
     finally:
         client.close()
     assert dict(zip(names, rewards, strict=True)) == {name: SOLUTIONS[name][1] for name in names}
+
+
+def test_the_reward_server_scores_code_with_the_environments_sandbox(services) -> None:
+    """Through Triton: the reward server holds the environment's URL and token and scores by running the tests."""
+    assert_scores_the_solutions(services[1])
 
 
 CODE = "```python\nanswer = 9*9\n```"  # one token of the tiny policy's vocabulary

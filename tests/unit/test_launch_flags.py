@@ -1,5 +1,6 @@
 """core/launch_flags.py: each service's flags object, written as a command line by core/launch.py and read back by
-the parser its `main` uses; the spellings in docker-compose.yml, compose/tools.yml and the Dockerfiles' CMD parse."""
+the parser its `main` uses; the spellings in docker-compose.yml, compose/tools.yml, compose/code-tests.yml and the
+Dockerfiles' CMD parse."""
 
 from __future__ import annotations
 
@@ -139,11 +140,16 @@ def test_the_redis_url_comes_from_the_environment_or_is_required(monkeypatch: py
         parse(launch.TRAINER, argv)
 
 
+# compose/tools.yml's relay of the environment's /metrics: not a launch service (its own parser;
+# tests/e2e/test_compose.py runs its command)
+METRICS_RELAY = "reinforce.environment.metrics_relay"
+
+
 def _compose_commands() -> list[list[str]]:
     commands = []
-    for path in (ROOT / "docker-compose.yml", ROOT / "compose" / "tools.yml"):
+    for path in (ROOT / "docker-compose.yml", ROOT / "compose" / "tools.yml", ROOT / "compose" / "code-tests.yml"):
         for service in yaml.safe_load(path.read_text())["services"].values():
-            if service.get("command", [None])[0] == "python":
+            if service.get("command", [None])[0] == "python" and service["command"][2] != METRICS_RELAY:
                 commands.append(service["command"])
     return commands
 
