@@ -28,7 +28,7 @@ from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import CODE_TESTS_REWARD
 from reinforce.generator.reward_client import RewardClient
 from reinforce.reward.rewards import code_tests
-from reinforce.supervisor.main import CREDENTIALS
+from reinforce.supervisor.children import CREDENTIALS
 from reinforce.supervisor.ports import free_port
 from tests.runs import EXAMPLES, assert_reward_rose, flag, service_of, start, wait_for_step, write_spec
 

@@ -55,7 +55,7 @@ from reinforce.core.names import (
     COMPONENT_REWARD,
     COMPONENT_TRAINER,
 )
-from reinforce.supervisor.main import PROMETHEUS_TARGETS
+from reinforce.supervisor.children import PROMETHEUS_TARGETS
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES_TEST = ALERTS_FILE.with_name("reinforce-rules.test.yaml")

@@ -36,7 +36,7 @@ from reinforce.core.environment_client import (
 )
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 from reinforce.core.spec import dump_spec, parse_spec
-from reinforce.supervisor.main import PROMETHEUS_TARGETS, Supervisor
+from reinforce.supervisor.children import PROMETHEUS_TARGETS, Children
 
 T = TypeVar("T")
 TOKEN = "environment-test-token"
@@ -423,17 +423,17 @@ def test_escape_100_mb_print(sandboxed: Server) -> None:
 
 def test_the_supervisor_starts_the_service_with_its_token_only(tmp_path: Path) -> None:
     spec = parse_spec({**_spec(tmp_path / "run"), "environment": {"enabled": True, "tools": ["calculator"]}})
-    supervisor = Supervisor(spec)
-    supervisor.paths.root.mkdir(parents=True)
-    supervisor.paths.spec.write_text(dump_spec(spec))
+    children = Children(spec)
+    children.paths.root.mkdir(parents=True)
+    children.paths.spec.write_text(dump_spec(spec))
     try:
-        url = supervisor.start_environment()
-        [component] = supervisor.components
+        url = children.start_environment()
+        [component] = children.components
         assert set(component.credentials) == {ENVIRONMENT_TOKEN_ENV}  # no Redis URL, no other service's token
         assert httpx.get(url + "/readyz").json()["tools"] == ["calculator"]
-        headers = {"Authorization": f"Bearer {supervisor.credentials[ENVIRONMENT_TOKEN_ENV]}"}
+        headers = {"Authorization": f"Bearer {children.credentials[ENVIRONMENT_TOKEN_ENV]}"}
         assert httpx.post(url + EPISODES_PATH, json={"prompt": "p"}, headers=headers).status_code == 201
-        targets = json.loads((supervisor.paths.root / PROMETHEUS_TARGETS).read_text())
+        targets = json.loads((children.paths.root / PROMETHEUS_TARGETS).read_text())
         assert [t["labels"]["component"] for t in targets] == ["environment"]
     finally:
-        supervisor.stop()
+        children.stop()

@@ -20,8 +20,8 @@ from reinforce.core.metrics import read_metrics
 from reinforce.core.names import CONTROL_TOKEN_ENV, CRITIC_TOKEN_ENV, REDIS_URL_ENV, WEIGHTS_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue
 from reinforce.core.run_dir import RunPaths
+from reinforce.supervisor.children import PROMETHEUS_TARGETS
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
-from reinforce.supervisor.main import PROMETHEUS_TARGETS
 
 pytestmark = pytest.mark.slow
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # gRPC binds IPv4 loopback as mapped IPv6

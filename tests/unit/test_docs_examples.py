@@ -142,7 +142,7 @@ def check_prometheus_config(body: str) -> None:
     config = yaml.safe_load(body)
     for rules in config["rule_files"]:
         assert (ROOT / rules).is_file(), rules
-    from reinforce.supervisor.main import PROMETHEUS_TARGETS
+    from reinforce.supervisor.children import PROMETHEUS_TARGETS
 
     files = [f for job in config["scrape_configs"] for sd in job["file_sd_configs"] for f in sd["files"]]
     assert files and all(Path(f).name == PROMETHEUS_TARGETS for f in files)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from reinforce.core.metrics import read_metrics, shown
 from reinforce.core.run_dir import RunPaths
-from reinforce.supervisor.main import Progress, _print_summary
+from reinforce.supervisor.progress import Progress, print_summary
 
 
 def write_rows(paths: RunPaths, *rows: dict, tail: str = "") -> None:
@@ -39,7 +39,7 @@ def test_the_progress_bar_and_summary_take_null_metrics(tmp_path: Path, capsys) 
     assert progress.bar.n == 2
     assert progress.bar.postfix is not None and "reward=-" in progress.bar.postfix
     progress.close()
-    _print_summary(paths)
+    print_summary(paths)
     assert "reward 0.500 -> -" in capsys.readouterr().out
 
 

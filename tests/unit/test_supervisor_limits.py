@@ -12,7 +12,9 @@ import torch
 
 from reinforce.core.spec import parse_spec
 from reinforce.core.weights import publish
-from reinforce.supervisor.main import PROMETHEUS_TARGETS, RunFailed, Supervisor
+from reinforce.supervisor.children import PROMETHEUS_TARGETS
+from reinforce.supervisor.component import RunFailed
+from reinforce.supervisor.run_loop import Supervisor
 
 
 def supervisor(tmp_path: Path, **sections: dict) -> Supervisor:
@@ -27,8 +29,7 @@ def exits_after(seconds: float) -> list[str]:
 def supervise_for(sup: Supervisor, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        for c in sup.components:
-            sup.supervise(c)
+        sup.supervise_once()
         time.sleep(0.05)
 
 
@@ -37,11 +38,11 @@ def test_the_restart_count_resets_after_a_healthy_period(tmp_path):
     reset_after_s is restarted every time, one that crash-loops still ends the run."""
     sup = supervisor(tmp_path, restart={"max_restarts": 1, "backoff_s": 0.05, "reset_after_s": 1.5})
     try:
-        steady = sup.component("steady", exits_after(2.0))
+        steady = sup.children.component("steady", exits_after(2.0))
         supervise_for(sup, 7.0)  # three exits, each after 2 s of running
         assert steady.restarts == 1 and steady.exit_code() is None
 
-        sup.component("crashing", exits_after(0.1))
+        sup.children.component("crashing", exits_after(0.1))
         with pytest.raises(RunFailed, match="component crashing exited with code 3 after 1 restarts"):
             supervise_for(sup, 5.0)
     finally:
@@ -54,7 +55,7 @@ def test_component_logs_rotate_by_size(tmp_path):
     sup = supervisor(tmp_path, logging={"max_component_log_mb": 0.25})
     program = "import time\nfor i in range(4000):\n print(f'{i:06d}' + 'x' * 1000)\n time.sleep(0.0005)"
     try:
-        c = sup.component("chatty", [sys.executable, "-c", program])
+        c = sup.children.component("chatty", [sys.executable, "-c", program])
         while c.exit_code() is None:
             c.rotate_log(sup.max_log_bytes)
             time.sleep(0.05)
@@ -71,7 +72,7 @@ def test_a_full_disk_stops_the_supervisor_cleanly(tmp_path):
     """R3-14: stopping on a full disk is no second error: the scrape targets (which would list dead processes)
     and the partial copy are gone."""
     sup = supervisor(tmp_path)
-    sup.add_scrape_target("trainer", "trainer", 1234)
+    sup.children.add_scrape_target("trainer", "trainer", 1234)
     targets = tmp_path / PROMETHEUS_TARGETS
     partial = tmp_path / f".{PROMETHEUS_TARGETS}.tmp"
     partial.symlink_to("/dev/full")

@@ -6,7 +6,7 @@ import pytest
 
 from reinforce.core.spec import parse_spec
 from reinforce.core.threads import THREADS_ENV, cgroup_cpu_quota, thread_count, usable_cpus
-from reinforce.supervisor.main import ThreadShares, thread_shares
+from reinforce.supervisor.children import ThreadShares, thread_shares
 
 MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
 

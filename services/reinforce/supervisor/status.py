@@ -22,8 +22,8 @@ from reinforce.core.queue import RolloutQueue, UnreadableRecord
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import sample_steps
 from reinforce.core.spec import RunSpec, SpecError, load_spec
+from reinforce.supervisor.children import PROMETHEUS_TARGETS
 from reinforce.supervisor.lock import live_holder
-from reinforce.supervisor.main import PROMETHEUS_TARGETS
 from reinforce.supervisor.outcome import read_outcome
 
 TIMEOUT_S = 2.0  # per component asked: a hung one must not hang the command
