@@ -74,8 +74,11 @@ def evaluate(folder: Path, spec: RunSpec, prompts: list[str], url: str, samples:
     data = prompt_data(spec)
     batch = [(encode_prompt(runner.observations.tokenizer, p, data), p, i) for i, p in enumerate(prompts)]
     out = {}
+    size = spec.generation.batch_prompts  # as the generator batches: the whole set at once, on a loaded machine,
+    # left episodes idle past environment.episode_idle_s while the engine sampled the others' first turns
     for name, k, temperature in (("greedy", 1, 0.0), ("sampled", samples, spec.generation.temperature)):
-        out[name] = score(runner, prompts, runner.run(batch, k, temperature))
+        groups = [g for i in range(0, len(batch), size) for g in runner.run(batch[i : i + size], k, temperature)]
+        out[name] = score(runner, prompts, groups)
         print(name, json.dumps(out[name]), flush=True)
     return out
 
@@ -100,7 +103,11 @@ def render(results: dict) -> str:
         "`What is A * B? Answer with the number only.`, with the same tool instructions in the system message, the "
         "initial policy called the tool in none of 160 episodes (32 prompts, greedy and 4 sampled at temperature 1, "
         "96 tokens), so RL had nothing to reinforce. Asked for code it writes ```` ```python ```` blocks; no "
-        "episode here held `<tool_call>` JSON.",
+        "episode here held `<tool_call>` JSON. An assistant turn ends where its first python block closes "
+        "(generator/episodes.py): before that, the model wrote on after its code, inventing the output, until "
+        "max_new_tokens, the tool ran late or not at all, and 20 steps took greedy accuracy from 59% to 0%. The run "
+        "samples at temperature 0.3: at 0.7 none of its first 64 training episodes was right (GRPO had nothing to "
+        "reinforce).",
         "",
         "| model | greedy accuracy | greedy tool calls | greedy ended | sampled accuracy | sampled tool calls "
         "| sampled calling | sampled ended |",
