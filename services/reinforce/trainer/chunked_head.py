@@ -259,4 +259,3 @@ def _restored_rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor 
 def token_entropy(log_softmax: torch.Tensor) -> torch.Tensor:
     """H = - sum_v p_v log p_v of distributions given as log-probabilities [..., V] -> [...]."""
     return -(log_softmax.exp() * log_softmax).sum(-1)
-
