@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psutil
 import pytest
 import yaml
 from conftest import free_port
@@ -36,6 +37,7 @@ from reinforce.core.environment_client import (
 )
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 from reinforce.core.spec import dump_spec, parse_spec
+from reinforce.environment.sandbox import SANDBOX_UID_BASE
 from reinforce.supervisor.children import PROMETHEUS_TARGETS, Children
 
 T = TypeVar("T")
@@ -419,6 +421,51 @@ def test_escape_100_mb_print(sandboxed: Server) -> None:
     rss_kb = int(next(line for line in Path(f"/proc/{sandboxed.pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS")).split()[1])  # fmt: skip
     assert rss_kb < 400_000  # the service kept the first bytes only
+
+
+# A daemon: setsid and a double fork take it out of the call's process group (which the time limit's kill ends), its
+# output closed so that the call returns at once; it prints its pid.
+DAEMON = (
+    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    pid = os.fork()\n    if pid == 0:\n"
+    "        os.close(1)\n        os.close(2)\n        time.sleep(60)\n    print(pid, flush=True)\n"
+    "    os._exit(0)\nos.wait()"
+)
+PROCESS_STATE = (  # "False" when no process has the pid, else its state ("S" sleeping, "Z" a zombie)
+    "import os\np = '/proc/{pid}/stat'\nprint(os.path.exists(p) and open(p).read().rsplit(')', 1)[1].split()[0])"
+)
+
+
+def test_escape_a_process_left_behind(sandboxed: Server) -> None:
+    """In namespaces killing the call ends its daemon too; without them the service, a child subreaper, kills it
+    once the call ends. Left alive it would run beside every later call (in compose: replace the API's socket)."""
+    out = python(sandboxed, DAEMON)
+    assert out["exit_code"] == 0 and out["text"].strip().isdigit(), out
+    isolation = sandboxed.get("/readyz").json()["isolation"]
+    if isolation == "namespaces":  # its pid is its namespace's: look for any process of a call's uid
+        left = [p.info for p in psutil.process_iter(["pid", "uids"]) if p.info["uids"].real >= SANDBOX_UID_BASE]
+        assert left == [], left
+        return
+    if isolation == "user_namespaces":
+        pytest.skip("its pid is its namespace's and its uid the service's: nothing to look for it by")
+    state = python(sandboxed, PROCESS_STATE.format(pid=int(out["text"])))  # no pid namespace: the next call looks
+    assert state["text"] in ("False", "Z"), state
+
+
+def test_without_namespaces_a_daemon_dies_when_its_call_ends() -> None:
+    """The sweep itself, in a process of its own (it kills every child but the calls): a sandbox without namespaces
+    (the container's case, here forced) runs the daemon; after the call it is gone, without the sweep it lives."""
+    script = (
+        "import asyncio, subprocess, sys\nfrom reinforce.environment.sandbox import Limits, Sandbox\n"
+        "sandbox = Sandbox(Limits(3.0, 256 << 20, 16 << 20, 32, 4000), 1, [], 'none', reap_strays=sys.argv[1] == 'y')\n"
+        f"pid = int(asyncio.run(sandbox.run({DAEMON!r})).stdout)\n"
+        f"state = subprocess.run([sys.executable, '-c', {PROCESS_STATE!r}.format(pid=pid)], capture_output=True)\n"
+        "print(state.stdout.decode().strip())\nsubprocess.run(['kill', '-9', str(pid)], capture_output=True)"
+    )
+    states = [
+        subprocess.run([sys.executable, "-c", script, reap], capture_output=True, text=True, timeout=120)
+        for reap in ("y", "n")
+    ]
+    assert [s.stdout.strip() for s in states] == ["False", "S"], [s.stderr[-2000:] for s in states]
 
 
 def test_the_supervisor_starts_the_service_with_its_token_only(tmp_path: Path) -> None:

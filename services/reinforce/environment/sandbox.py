@@ -16,9 +16,12 @@ Each call runs `python -I jail.py` (see jail.py for what it does, in order) with
                        of its own (`--map-root-user`), but the process keeps the service's uid: RLIMIT_NPROC
                        counts every process of that uid;
       none             rlimits, the empty environment and the scratch folder only: the code can open network
-                       connections, read what the service's uid can read and write where it can write, and
-                       its processes can outlive the call if they leave its process group. The service makes
-                       itself non-dumpable, so its own /proc/PID/environ stays unreadable to them.
+                       connections, read what the service's uid can read and write where it can write; a
+                       process that leaves the call's process group escapes the call's kill but not the sweep
+                       after it: the service (`python -m reinforce.environment`) is a child subreaper, so what a
+                       call leaves behind is reparented to it, and once a call ends it kills every child that is
+                       no live call (`kill_strays`); until then such a process runs beside the other calls. The
+                       service makes itself non-dumpable, so its own /proc/PID/environ stays unreadable to them.
 In namespaces, killing `unshare` (its child is PID 1 of the new PID namespace, with --kill-child) ends every
 process the code started, detached or not.
 """
@@ -52,6 +55,8 @@ SANDBOX_UID_BASE = 61000  # root only: call slot i runs as uid/gid SANDBOX_UID_B
 PATH = "/usr/local/bin:/usr/bin:/bin"
 DRAIN_AFTER_KILL_S = 2.0  # after the kill, how long the output pipes may take to close
 PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+MAX_SWEEPS = 64  # a stray's children reparent here when it is killed: each sweep takes one generation
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 # Imports a module of the standard library's compiled extensions, which the jail has not loaded yet.
 PROBE = b"import _socket, json\nprint('ok')\n"
@@ -109,11 +114,50 @@ def detect_isolation() -> Isolation:
     return "none"
 
 
+def _prctl(option: int, value: int, name: str) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({name}, {value})")
+
+
 def make_undumpable() -> None:
     """Keep this process's /proc/PID/environ (the control token) from processes of the same uid."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    _prctl(PR_SET_DUMPABLE, 0, "PR_SET_DUMPABLE")
+
+
+def become_subreaper() -> None:
+    """Have orphaned descendants reparented to this process rather than to init: what a call leaves behind, detached
+    from its process group (setsid, a double fork), becomes this process's child, where kill_strays finds it."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1, "PR_SET_CHILD_SUBREAPER")
+
+
+def _children() -> list[int]:
+    """The pids whose parent is this process (from /proc: a reparented orphan is listed under no thread of ours)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # the command name, in parentheses, may hold spaces
+                    found.append(int(entry))
+    return found
+
+
+def kill_strays(live: set[int]) -> int:
+    """SIGKILL and reap every child of this process that is not in `live`, and then the children those leave
+    (reparented here: see become_subreaper). For a process that starts no children but its calls. Returns how many."""
+    killed = 0
+    for _ in range(MAX_SWEEPS):
+        strays = [pid for pid in _children() if pid not in live]
+        if not strays:
+            break
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in strays:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        killed += len(strays)
+    return killed
 
 
 async def _drain(stream: asyncio.StreamReader, keep: int) -> tuple[bytes, int]:
@@ -127,9 +171,19 @@ async def _drain(stream: asyncio.StreamReader, keep: int) -> tuple[bytes, int]:
 
 
 class Sandbox:
-    """Runs code in confined child processes, at most `slots` at once (each slot has its own uid as root)."""
+    """Runs code in confined child processes, at most `slots` at once (each slot has its own uid as root).
 
-    def __init__(self, limits: Limits, slots: int, hidden: list[Path], isolation: Isolation | None = None) -> None:
+    With `reap_strays` (the service: a process whose only children are its calls) it becomes a child subreaper and,
+    when a call ends and no other is starting, kills what calls left behind (kill_strays)."""
+
+    def __init__(
+        self,
+        limits: Limits,
+        slots: int,
+        hidden: list[Path],
+        isolation: Isolation | None = None,
+        reap_strays: bool = False,
+    ) -> None:
         self.limits = limits
         self.hidden = [str(p.resolve()) for p in hidden]
         self.isolation: Isolation = isolation or detect_isolation()
@@ -138,6 +192,11 @@ class Sandbox:
         self.free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(slots):
             self.free_slots.put_nowait(slot)
+        self.reap_strays = reap_strays
+        self.live: set[int] = set()  # the calls' own processes
+        self.starting = 0  # calls between fork and being added to `live`: a sweep now could take one for a stray
+        if reap_strays:
+            become_subreaper()
 
     def _uid(self, slot: int) -> int:
         if os.getuid() == 0:
@@ -197,15 +256,20 @@ class Sandbox:
             self.free_slots.put_nowait(slot)
 
     async def _run(self, code: str, scratch: Path, uid: int) -> RunResult:
-        proc = await asyncio.create_subprocess_exec(
-            *self._argv(self.python, scratch, uid),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=self._env(scratch),
-            cwd=scratch,
-            start_new_session=True,  # one process group to kill (all of it, in namespaces)
-        )
+        self.starting += 1
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(self.python, scratch, uid),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._env(scratch),
+                cwd=scratch,
+                start_new_session=True,  # one process group to kill (all of it, in namespaces)
+            )
+            self.live.add(proc.pid)
+        finally:
+            self.starting -= 1
         keep = self.limits.output_bytes
         assert proc.stdin and proc.stdout and proc.stderr
         out = asyncio.ensure_future(_drain(proc.stdout, keep))
@@ -221,6 +285,8 @@ class Sandbox:
         finally:
             _kill_group(proc.pid)  # what is left: the whole tree in namespaces, the process group without
             await exited
+            self.live.discard(proc.pid)
+            self._sweep()
             # Pipes close once every writer is gone; a detached writer (isolation none) must not hold us here.
             _, stuck = await asyncio.wait({out, err}, timeout=DRAIN_AFTER_KILL_S)
             for task in stuck:
@@ -236,6 +302,10 @@ class Sandbox:
             signal.Signals(-returncode).name if returncode < 0 else None,
             out_total + err_total,
         )
+
+    def _sweep(self) -> None:
+        if self.reap_strays and not self.starting and (killed := kill_strays(self.live)):
+            log.warning("killed %d processes that tool calls left behind", killed)
 
 
 def _kill_group(pgid: int) -> None:

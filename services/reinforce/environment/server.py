@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = load_spec(spec_file)
     e = spec.environment
     # In namespaces the sandbox never sees the run folder (an empty folder is mounted over it).
-    sandbox = Sandbox(Limits.from_spec(e), e.max_concurrent_calls, hidden=[spec.resolved_run_dir()])
+    sandbox = Sandbox(Limits.from_spec(e), e.max_concurrent_calls, hidden=[spec.resolved_run_dir()], reap_strays=True)
     log.info("sandbox isolation %s, python %s", sandbox.isolation, sandbox.python)
     env = Environment(e, sandbox)
     if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
