@@ -152,6 +152,13 @@ def test_each_compose_service_holds_only_its_launch_credentials():
     assert len(tokens) == 3, "the default control, weights and critic tokens must differ"
 
 
+def environment_socket(service: dict) -> str:
+    """The environment service's --uds in its compose command."""
+    _, flags = EnvironmentFlags.parse(launch.ENVIRONMENT.parser("environment"), service["command"][3:])
+    assert flags.uds is not None
+    return flags.uds
+
+
 @needs_compose
 def test_compose_environment_is_confined_as_the_operators_pod():
     """The `environment` service (profile tools) runs model-written code: it gets the settings of the operator's
@@ -164,13 +171,15 @@ def test_compose_environment_is_confined_as_the_operators_pod():
     assert env["read_only"] is pod["readOnlyRootFilesystem"] is True
     assert env["cap_drop"] == pod["capabilities"]["drop"] == ["ALL"]
     assert env["security_opt"] == ["no-new-privileges:true"] and pod["allowPrivilegeEscalation"] is False
-    assert env["user"] == f"{children.RUN_AS_USER}:{children.RUN_AS_USER}"
+    # it starts as root only to bind its socket where the tools' code cannot replace it, then runs as the pod's user
+    assert env["user"] == "0:0" and sorted(env["cap_add"]) == ["SETGID", "SETUID"]
     assert env["tmpfs"] == [f"{children.SCRATCH_DIR}:size=64m,mode=1777"] and env["pids_limit"] > 0
     spec = EnvironmentSpec()  # the memory the pod gets by default (operator/children.py _environment_resources)
     memory_mib = spec.max_concurrent_calls * spec.memory_limit_mb + children.ENVIRONMENT_SERVICE_MEMORY_MIB
     assert env["mem_limit"] == f"{memory_mib}m"
-    uds = env["command"][-1]
-    assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, EnvironmentFlags(uds=uds))
+    uds = environment_socket(env)
+    flags = EnvironmentFlags(uds=uds, run_as=f"{children.RUN_AS_USER}:{children.RUN_AS_USER}")
+    assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, flags)
     assert uds == f"{SOCKET_DIR}/api.sock" and f"environment-socket:{SOCKET_DIR}:rw" in env["volumes"]
     assert uds in env["healthcheck"]["test"] and launch.ENVIRONMENT.ready_path in env["healthcheck"]["test"][-1]
     default = yaml.safe_load(COMPOSE.read_text())["services"]["generator-0"]
@@ -188,7 +197,7 @@ def test_compose_code_tests_wires_the_reward_server_to_the_environment():
     the environment's token; it starts once the environment is healthy."""
     services = compose_config(TOOLS_OVERRIDE, CODE_TESTS_OVERRIDE)["services"]
     env, reward = services["environment"], services["reward"]
-    uds = env["command"][-1]
+    uds = environment_socket(env)
     default = yaml.safe_load(COMPOSE.read_text())["services"]["reward"]
     assert reward["command"] == [*default["command"], "--environment-url", f"unix:{uds}"]
     _, flags = RewardFlags.parse(launch.REWARD.parser("reward"), reward["command"][3:])
@@ -208,9 +217,10 @@ def test_compose_environment_metrics_relay_is_on_the_network_and_the_environment
     assert env["network_mode"] == "none" and "network_mode" not in relay
     assert relay["profiles"] == ["monitoring"] and "environment" not in relay
     assert relay["volumes"] == [f"environment-socket:{SOCKET_DIR}:ro"]
-    assert relay["read_only"] is True and relay["cap_drop"] == ["ALL"] and relay["user"] == env["user"]
+    assert relay["read_only"] is True and relay["cap_drop"] == ["ALL"] and "cap_add" not in relay
+    assert relay["user"] == f"{children.RUN_AS_USER}:{children.RUN_AS_USER}"
     assert relay["security_opt"] == env["security_opt"]
-    assert relay["command"][relay["command"].index("--uds") + 1] == env["command"][-1]
+    assert relay["command"][relay["command"].index("--uds") + 1] == environment_socket(env)
     assert relay["depends_on"] == {"environment": {"condition": "service_healthy"}}
 
 

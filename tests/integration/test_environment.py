@@ -396,6 +396,29 @@ def test_escape_read_the_parents_environment_and_run_folder(sandboxed: Server) -
         assert run_dir == "gone", out
 
 
+def test_escape_replace_the_api_socket(sandboxed: Server) -> None:
+    """In its container the service is reached through a Unix socket, and the tools' code runs as the service's uid:
+    the service binds the socket as root in root's folder, then runs as user 1000 with no capability left (--run-as),
+    so that code cannot remove the socket or put a listener of its own in its place."""
+    if not sandboxed.container:
+        pytest.skip("the local service listens on TCP")
+    command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["environment"]["command"]
+    path = command[command.index("--uds") + 1]
+    code = (
+        f"import os, socket\npath = {path!r}\nprint(os.getuid())\n"
+        "for name, attempt in [('unlink', lambda: os.unlink(path)), ('rename', lambda: os.rename(path, path + '.x')),"
+        " ('bind', lambda: socket.socket(socket.AF_UNIX).bind(path + '.2'))]:\n"
+        "    try:\n        attempt()\n        print('did', name)\n"
+        "    except OSError as err:\n        print('refused', name, err.strerror)"
+    )
+    out = python(sandboxed, code)
+    uid, *attempts = out["text"].splitlines()
+    assert uid == "1000" and attempts == [f"refused {n} Permission denied" for n in ("unlink", "rename", "bind")], out
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{sandboxed.pid}/status").read_text().splitlines())
+    assert status["Uid"].split() == ["1000"] * 4 and int(status["CapEff"], 16) == 0, status
+    assert sandboxed.get("/readyz").status_code == 200
+
+
 def test_escape_fork_bomb(sandboxed: Server) -> None:
     out = python(sandboxed, "import os\nwhile True:\n    os.fork()")
     assert out["timed_out"] or out["exit_code"] != 0, out

@@ -157,3 +157,8 @@ class EnvironmentFlags(LaunchFlags):
     uds: str | None = flag(
         "serve on this Unix socket instead of --host/--port (docker-compose: a container without network)", None
     )
+    run_as: str | None = flag(
+        "UID:GID to run as once --uds is bound, for a service started as root: the socket then lies in root's "
+        "folder, where the tools' code, run as UID, cannot replace it (docker-compose)",
+        None,
+    )

@@ -1,6 +1,7 @@
 """The environment service: episodes of tools for multi-turn rollouts, behind a small authenticated HTTP API.
 
-    python -m reinforce.environment --spec RUN_DIR/spec.yaml [--host H] [--port N] [--metrics-port N] [--uds PATH]
+    python -m reinforce.environment --spec RUN_DIR/spec.yaml [--host H] [--port N] [--metrics-port N]
+        [--uds PATH [--run-as UID:GID]]
         (the bearer token comes from $REINFORCE_ENVIRONMENT_TOKEN, which the run's generators also hold)
 
 The API (reset, step, state, delete; bodies and status codes in reinforce/core/environment_api.py, and a client in
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -340,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         parser.error(f"${ENVIRONMENT_TOKEN_ENV} must hold the environment service's bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    listener = bind_unix_socket(args.uds) if args.uds else None
+    if args.run_as:
+        if listener is None:
+            parser.error("--run-as needs --uds: it keeps the socket from the code the tools run")
+        drop_privileges(args.run_as)
     make_undumpable()  # before any tool runs: /proc/PID/environ (the token) unreadable to same-uid processes
     spec = load_spec(spec_file)
     e = spec.environment
@@ -349,5 +356,32 @@ def main(argv: list[str] | None = None) -> None:
     env = Environment(e, sandbox)
     if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
         start_http_server(args.metrics_port, addr=args.host, registry=env.metrics.registry)
-    address = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
-    uvicorn.run(create_app(env, token), **address, log_level="warning")
+    if listener is None:
+        uvicorn.run(create_app(env, token), host=args.host, port=args.port, log_level="warning")
+    else:
+        uvicorn.Server(uvicorn.Config(create_app(env, token), log_level="warning")).run(sockets=[listener])
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket at `path` (a stale one from an earlier start replaced), open to every local user:
+    its folder, not the socket, decides who may replace it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o666)
+    listener.listen(128)
+    return listener
+
+
+def drop_privileges(run_as: str) -> None:
+    """Become UID:GID for good (no supplementary groups; a uid change from root clears every capability)."""
+    try:
+        uid, gid = (int(part) for part in run_as.split(":"))
+    except ValueError:
+        raise SystemExit(f"--run-as {run_as!r}: expected UID:GID, two numbers") from None
+    if os.geteuid() != 0:
+        raise SystemExit(f"--run-as {run_as}: the service must start as root to change its user")
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
