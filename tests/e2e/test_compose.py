@@ -240,7 +240,7 @@ def test_images_default_to_the_compose_commands():
 class Localize:
     """Rewrites a compose value for a local process as docker-compose would pass it ($$ -> $), with service names ->
     127.0.0.1, each fixed port -> one free port (the same in every service), a service's volume targets -> local
-    folders."""
+    folders; the environment's --run-as (a container's change of user) is dropped."""
 
     PORT_FLAG = r"--[\w-]*port|-p"
 
@@ -263,6 +263,9 @@ class Localize:
         return value
 
     def argv(self, argv: list[str]) -> list[str]:
+        if "--run-as" in argv:  # the container's change of user: a local process stays this test's (its folders)
+            at = argv.index("--run-as")
+            argv = argv[:at] + argv[at + 2 :]
         return [self(arg, previous) for previous, arg in zip(["", *argv], argv, strict=False)]
 
 
