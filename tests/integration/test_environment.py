@@ -491,6 +491,35 @@ def test_without_namespaces_a_daemon_dies_when_its_call_ends() -> None:
     assert [s.stdout.strip() for s in states] == ["False", "S"], [s.stderr[-2000:] for s in states]
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="namespaces (a uid per call) need root")
+def test_a_namespaced_call_leaves_no_zombie_to_the_host() -> None:
+    """A call past its time limit is killed with its `unshare`, whose child, the namespace's PID 1, is then an
+    orphan: the service (a subreaper) must reap it, for the process that would adopt it otherwise may never do so.
+    Here that process is this script's parent, a subreaper that reaps nothing (as a container's or a sandbox VM's
+    PID 1 may): after the call nothing of the call's uid is left under it with the sweep, and without the sweep the
+    namespace's PID 1 is (so the test can fail)."""
+    call = (
+        "import asyncio, sys\nfrom reinforce.environment.sandbox import Limits, Sandbox\n"
+        "limits = Limits(1.0, 256 << 20, 16 << 20, 32, 4000)\n"
+        "sandbox = Sandbox(limits, 1, [], 'namespaces', reap_strays=sys.argv[1] == 'y')\n"
+        "assert asyncio.run(sandbox.run('import time; time.sleep(60)')).timed_out"
+    )
+    host = (  # becomes a subreaper, runs the call in a child and lists the processes of a call's uid it adopted
+        "import ctypes, os, subprocess, sys, time\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+        "subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True)\ntime.sleep(0.5)\n"
+        "me = str(os.getpid())\nadopted = []\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n        stat, status = open(f'/proc/{pid}/stat').read(), open(f'/proc/{pid}/status').read()\n"
+        "    except OSError:\n        continue\n    uid = int(status.split('Uid:')[1].split()[0])\n"
+        f"    if stat.rsplit(')', 1)[1].split()[1] == me and uid >= {SANDBOX_UID_BASE}:\n        adopted.append(pid)\n"
+        "print(len(adopted))"
+    )
+    left = [
+        subprocess.run([sys.executable, "-c", host, call, sweep], capture_output=True, text=True, timeout=120)
+        for sweep in ("y", "n")
+    ]
+    assert [r.stdout.strip() for r in left] == ["0", "1"], [r.stderr[-2000:] for r in left]
+
+
 def test_the_supervisor_starts_the_service_with_its_token_only(tmp_path: Path) -> None:
     spec = parse_spec({**_spec(tmp_path / "run"), "environment": {"enabled": True, "tools": ["calculator"]}})
     children = Children(spec)

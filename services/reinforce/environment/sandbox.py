@@ -173,8 +173,10 @@ async def _drain(stream: asyncio.StreamReader, keep: int) -> tuple[bytes, int]:
 class Sandbox:
     """Runs code in confined child processes, at most `slots` at once (each slot has its own uid as root).
 
-    With `reap_strays` (the service: a process whose only children are its calls) and isolation none it becomes a
-    child subreaper and, when a call ends and no other is starting, kills what calls left behind (kill_strays)."""
+    With `reap_strays` (the service: a process whose only children are its calls) it becomes a child subreaper and,
+    when a call ends and no other is starting, kills and reaps what calls left behind (kill_strays). In namespaces
+    that is the namespace's PID 1, orphaned when `unshare` exits: reaping it waits for the namespace's last process
+    to end, and leaves no zombie to a host PID 1 that may never reap it (a container's, a sandbox VM's)."""
 
     def __init__(
         self,
@@ -192,8 +194,7 @@ class Sandbox:
         self.free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(slots):
             self.free_slots.put_nowait(slot)
-        # In namespaces killing `unshare --kill-child` ends all a call started: strays need isolation none.
-        self.reap_strays = reap_strays and self.isolation == "none"
+        self.reap_strays = reap_strays
         self.live: set[int] = set()  # the calls' own processes
         self.starting = 0  # calls between fork and being added to `live`: a sweep now could take one for a stray
         if self.reap_strays:
