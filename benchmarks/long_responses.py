@@ -11,7 +11,7 @@ REINFORCE steps on the same batch. Printed and saved (benchmarks/results/long_re
 the median seconds per step (the first step, which allocates AdamW's state, left out), the process's peak resident
 memory over its whole life (VmHWM: what a pod's memory limit meets), and that peak above the resident memory once
 the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget); `tokens` the new one
-(micro_batch_tokens 4096).
+(micro_batch_tokens 4096); `tokens + gradient checkpointing` the same with training.gradient_checkpointing on.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ RESPONSE_LENGTHS = (32, 512)
 CONFIGS = {
     "count (micro_batch_prompts 2)": {"micro_batch_prompts": 2, "micro_batch_tokens": None},
     "tokens (micro_batch_tokens 4096)": {"micro_batch_prompts": None, "micro_batch_tokens": 4096},
+    "tokens + gradient checkpointing": {
+        "micro_batch_prompts": None,
+        "micro_batch_tokens": 4096,
+        "gradient_checkpointing": True,
+    },
 }
 
 

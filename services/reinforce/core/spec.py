@@ -547,6 +547,14 @@ class TrainingSpec(_Section):
         description="At most this many prompts' sequences (k each) per forward/backward, on top of "
         "micro_batch_tokens (null: the token budget alone decides).",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation (gradient) checkpointing of the policy: the training forward keeps only each "
+        "transformer layer's input and the backward recomputes the layers from them one at a time, so a micro-batch "
+        "no longer holds every layer's intermediate activations at once; the cost is a second forward through the "
+        "layers during the backward. On megatron: Megatron's full recompute. The reference and the passes without "
+        "gradients are unaffected.",
+    )
     lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: AdamBetas = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")

@@ -14,10 +14,16 @@ keep the kernel. Hugging Face models switch implementation in place, so each mic
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
 from reinforce.core.optim import adamw
@@ -50,6 +56,8 @@ class TorchBackend(TrainerBackend):
         else:
             # The reference is always the initial policy, also after a resume.
             self.reference = load_policy(policy_dir).requires_grad_(False).to(self.compute_dtype)
+        if training.gradient_checkpointing:
+            _checkpoint_layers(self.policy)
         t = training
         self.optimizer = adamw(self.trainable_parameters(), t.lr, t.adam_betas, t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
@@ -134,6 +142,62 @@ class TorchBackend(TrainerBackend):
         state = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _checkpoint_layers(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in the backward (training.gradient_checkpointing) instead of keeping its
+    activations: Hugging Face's per-layer checkpointing, which runs only in train mode; the policy always is (its
+    attention dropout, 0 in SmolLM2's and Llama's configs, applies either way; the recompute replays the RNG state).
+
+    Set here rather than by `gradient_checkpointing_enable`, which also turns the model's KV cache off: the recompute
+    would append to the cache a second time. response_states needs the cache (a prompt's samples attend to its keys
+    and values), so the layers keep it and each recompute sees the cache as its forward did (_checkpoint_with_cache).
+    Non-reentrant: autocast carries into the recompute, and a LoRA policy's adapters get their gradients without the
+    frozen layers' inputs requiring grad.
+    """
+    layers = model.base_model.layers
+    if not all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
+        raise ValueError(f"training.gradient_checkpointing: {type(model).__name__} has no checkpointable layers")
+    logging.getLogger(GradientCheckpointingLayer.__module__).addFilter(_not_the_cache_warning)  # once: same object
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = True
+        layer._can_checkpoint_with_cache = True
+        layer._gradient_checkpointing_func = functools.partial(_checkpoint_with_cache, index)
+
+
+def _not_the_cache_warning(record: logging.LogRecord) -> bool:
+    """False for "Caching is incompatible with gradient checkpointing ... Setting use_cache=False", which each
+    checkpointed layer's call logs: it clears that flag, which the attention does not read, and keeps the cache,
+    which it does, so the warning would mislead."""
+    return "Caching is incompatible with gradient checkpointing" not in record.getMessage()
+
+
+def _checkpoint_with_cache(index: int, layer_call: functools.partial, *args: torch.Tensor) -> torch.Tensor:
+    """torch's checkpoint of decoder layer `index`'s call, whose recompute finds that layer's KV cache as it was
+    before the forward's update (so the update returns the same keys and values again) and leaves it as it was."""
+    cache = layer_call.keywords.get("past_key_values")
+    if cache is None:
+        return checkpoint(layer_call, *args, use_reentrant=False)
+    cached = cache.layers[index]
+    before = dict(vars(cached))  # update() rebinds its tensors (torch.cat), so references are a snapshot
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), _state_as(cached, before)
+
+    return checkpoint(layer_call, *args, use_reentrant=False, context_fn=contexts)
+
+
+@contextlib.contextmanager
+def _state_as(obj: object, state: dict) -> Iterator[None]:
+    """`obj`'s attributes set to `state` inside the block, back to what they were after it."""
+    now = dict(vars(obj))
+    vars(obj).clear()
+    vars(obj).update(state)
+    try:
+        yield
+    finally:
+        vars(obj).clear()
+        vars(obj).update(now)
 
 
 def _with_lora(model: torch.nn.Module, lora: LoraSpec):  # a peft.PeftModel

@@ -20,7 +20,12 @@ from reinforce.core.policy import load_policy
 from reinforce.core.spec import TrainingSpec
 from reinforce.trainer.backends.base import TrainerBackend, lr_factor
 from reinforce.trainer.backends.megatron.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from reinforce.trainer.backends.megatron.convert import build_gpt_model, layout_from_hf, transformer_config_from_hf
+from reinforce.trainer.backends.megatron.convert import (
+    FULL_RECOMPUTE,
+    build_gpt_model,
+    layout_from_hf,
+    transformer_config_from_hf,
+)
 from reinforce.trainer.backends.megatron.model import (
     clip_grad_norm_,
     gather_hf_state_dict,
@@ -50,7 +55,9 @@ class MegatronBackend(TrainerBackend):
             tp = training.tensor_parallel
             raise ValueError(f"training.tensor_parallel {tp} does not fit the policy: {err}") from None
         transformer_config = transformer_config_from_hf(config, tensor_parallel_size=training.tensor_parallel)
-        self.policy = build_gpt_model(config, transformer_config, layout=self.layout)
+        recompute = FULL_RECOMPUTE if training.gradient_checkpointing else {}
+        policy_config = transformer_config_from_hf(config, tensor_parallel_size=training.tensor_parallel, **recompute)
+        self.policy = build_gpt_model(config, policy_config, layout=self.layout)
         load_hf_state_dict(self.policy, hf_state, self.layout)
         self.policy.train()
         # The reference is always the initial policy, also after a resume.

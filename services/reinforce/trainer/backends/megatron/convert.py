@@ -51,6 +51,14 @@ CPU_SAFE_CONFIG: dict[str, bool] = {
     "persist_layer_norm": False,
 }
 
+# training.gradient_checkpointing: Megatron's full recompute of every transformer layer, one at a time: only each
+# layer's input is kept through the forward (Megatron's checkpoint replays the RNG tracker, on CPU through the shim).
+FULL_RECOMPUTE: dict[str, str | int] = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
+
 
 @dataclass(frozen=True)
 class LlamaLayout:
