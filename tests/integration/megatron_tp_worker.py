@@ -1,8 +1,10 @@
 """Worker of test_megatron_tensor_parallel.py, run by torchrun with --nproc_per_node equal to --tp (gloo, CPU).
 
 Writes into --out (rank 0 only): initial log-probs, the HF-form weights gathered after training, and the
-results of a sharded-checkpoint resume; with --load-checkpoint, the HF form of a checkpoint written at
-another TP size (resharded on load) and its Adam moments.
+results of a sharded-checkpoint resume and of the chunked output layer against the unchunked one; with
+--load-checkpoint, the HF form of a checkpoint written at another TP size (resharded on load) and its Adam moments.
+
+`head_outputs_and_grads` also serves test_megatron_model.py (TP=1 in the test's own process).
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from megatron_tiny import PROMPTS, RESPONSES, TEMPERATURE, megatron_from_hf, policy_loss, tiny_config, tiny_hf_model
 from safetensors.torch import save_file
 
+from reinforce.core.response_states import padded_like
+from reinforce.trainer import chunked_head
 from reinforce.trainer.backends.megatron import convert
 from reinforce.trainer.backends.megatron.checkpoint import (
     load_sharded_checkpoint,
@@ -23,6 +28,9 @@ from reinforce.trainer.backends.megatron.checkpoint import (
     save_sharded_checkpoint,
 )
 from reinforce.trainer.backends.megatron.model import (
+    _mask_padded_vocab,
+    _response_states,
+    _vocab_parallel_entropy,
     clip_grad_norm_,
     gather_hf_state_dict,
     gather_tensor_parallel_shards,
@@ -30,6 +38,7 @@ from reinforce.trainer.backends.megatron.model import (
     megatron_state_dict,
     response_logprobs_and_entropy,
 )
+from reinforce.trainer.chunked_head import temperature_scaled
 
 STEPS_BEFORE_CHECKPOINT = 2
 STEPS_AFTER_CHECKPOINT = 2
@@ -56,6 +65,47 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) 
     return norms
 
 
+def head_outputs_and_grads(model: torch.nn.Module, chunk_rows: int | None) -> dict[str, torch.Tensor]:
+    """log-probs and entropies [B, T] of the shared batch and this rank's gradient of every parameter for a loss
+    weighting both: through response_logprobs_and_entropy, its output layer in chunks of `chunk_rows` rows, or (None)
+    through the unchunked formula, every response token's logits at once (what the module computed before it
+    chunked: the output layer, temperature, padded columns masked, the entropy, then vocab_parallel_cross_entropy)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    model.zero_grad(set_to_none=True)
+    weight = model.shared_embedding_or_output_weight()
+    if chunk_rows is None:
+        states, targets, mask = _response_states(model, PROMPTS, RESPONSES)
+        given = weight if model.share_embeddings_and_output_weights else None
+        logits = model.output_layer(states.unsqueeze(1), weight=given)[0].squeeze(1)
+        logits = _mask_padded_vocab(temperature_scaled(logits, TEMPERATURE), model.unpadded_vocab_size)
+        entropy = padded_like(mask, _vocab_parallel_entropy(logits))
+        logprobs = padded_like(mask, -vocab_parallel_cross_entropy(logits, targets))
+    else:
+        with mock.patch.object(chunked_head, "HEAD_CHUNK_LOGITS", chunk_rows * weight.shape[0]):
+            logprobs, entropy, mask = response_logprobs_and_entropy(model, PROMPTS, RESPONSES, TEMPERATURE)
+    weights = torch.linspace(-1.0, 2.0, mask.numel()).view_as(mask) * mask
+    ((logprobs * weights).sum() + (entropy * weights.flip(1)).sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return {"logprobs": logprobs.detach(), "entropy": entropy.detach(), **grads}
+
+
+def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's largest difference relative to its largest value: float32's rounding, summed in other orders
+    (chunk by chunk), is about 1e-7 of it."""
+    return {name: ((got[name] - value).abs().max() / value.abs().max()).item() for name, value in want.items()}
+
+
+def chunked_head_difference(model: torch.nn.Module) -> float:
+    """The largest of :func:`differences`, over every rank, between the chunked head's (3 rows a chunk: 5 chunks of
+    the 13 response tokens) log-probs, entropies and parameter gradients and the unchunked formula's."""
+    found = differences(head_outputs_and_grads(model, 3), head_outputs_and_grads(model, None))
+    largest = torch.tensor(max(found.values()))
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, required=True)
@@ -80,6 +130,7 @@ def main() -> None:
         )
         save_file({"logprobs": logprobs, "entropy": entropy, "mask": mask}, args.out / "logprobs.safetensors")
 
+    results["chunked_head_max_difference"] = chunked_head_difference(model)
     optimizer = make_optimizer(model)
     results["grad_norms"] = train(model, optimizer, STEPS_BEFORE_CHECKPOINT)
     checkpoint = args.out / "checkpoint"

@@ -1,6 +1,6 @@
 """The Megatron backend's model in one process (TP=1): log-probs, entropies, gradients and AdamW steps against the
-torch trainer's, the built model's shapes, sharded checkpoints, the CPU shim. TP=2 runs under torchrun:
-test_megatron_tensor_parallel.py.
+torch trainer's, its output layer in chunks against the unchunked formula, the built model's shapes, sharded
+checkpoints, the CPU shim. TP=2 runs under torchrun: test_megatron_tensor_parallel.py.
 
 The module's fixture applies the CPU shim for these tests only and undoes it afterwards (megatron_tiny).
 """
@@ -29,6 +29,7 @@ from megatron_tiny import (
     tiny_config,
     tiny_hf_model,
 )
+from megatron_tp_worker import differences, head_outputs_and_grads
 from transformers import LlamaConfig
 
 from reinforce.core.policy import load_policy, materialize_policy
@@ -52,6 +53,9 @@ from reinforce.trainer.logprobs import response_logprobs_and_entropy as hf_logpr
 
 # Measured: 2.4e-7 (TP=1, tiny model); the two implementations sum in different orders, nothing more.
 LOGPROB_TOLERANCE = 1e-5
+# Of a tensor's largest value (megatron_tp_worker.differences): measured up to 8e-7 (one row a chunk, in the first
+# layer's gradients), float32's rounding of the head's matmuls in other shapes, carried back through the body.
+CHUNKED_HEAD_TOLERANCE = 2e-6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -169,6 +173,23 @@ def test_entropy_gradients_match_the_hf_trainer() -> None:
     hf_grads = convert.hf_to_megatron({n: p.grad for n, p in hf_model.named_parameters()}, layout)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, hf_grads[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 64])  # 3 does not divide the 13 response tokens; 64 is one chunk
+def test_the_chunked_head_gives_the_unchunked_values_and_gradients(tied: bool, chunk_rows: int) -> None:
+    """The output layer over chunks of response positions (backward recomputing each chunk) against every response
+    token's logits at once: the same log-probs, entropies and gradients of every parameter, in float32."""
+    model, _ = megatron_from_hf(tiny_hf_model(tiny_config(tied=tied)), 1)
+    model.train()
+    want, got = head_outputs_and_grads(model, None), head_outputs_and_grads(model, chunk_rows)
+    assert got.keys() == want.keys()
+    largest = max(differences(got, want).items(), key=lambda item: item[1])
+    assert largest[1] <= CHUNKED_HEAD_TOLERANCE, largest
+    # The head's weight (tied: the embedding's) gets the head's gradient: rows of tokens never looked up get only it.
+    head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    unused = sorted(set(range(tiny_config().vocab_size)) - {t for ids in PROMPTS + RESPONSES for t in ids})
+    assert got[head][unused].abs().sum(-1).min() > 0
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -1,7 +1,8 @@
 """The policy head's log-probs and entropies computed over chunks of response positions (trainer/chunked_head.py,
 head_logprobs): the values and gradients of the unchunked formula (head_outputs on all rows at once), in float32 to
 rounding and in bfloat16 autocast to bfloat16's, whatever the chunk size, with a tied output layer and with a
-LoRA-adapted one."""
+LoRA-adapted one; and chunked_outputs, the same for a head given as a function (the Megatron backend's, tested on
+the model in tests/integration/test_megatron_model.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.response_states import response_states
 from reinforce.core.spec import PolicySpec, RandomInit
 from reinforce.trainer import chunked_head
-from reinforce.trainer.chunked_head import head_chunk_rows, head_logprobs, head_outputs
+from reinforce.trainer.chunked_head import chunked_outputs, head_chunk_rows, head_logprobs, head_outputs
 from reinforce.trainer.logprobs import response_logprobs_and_entropy
 
 PROMPTS = [[1, 5, 6], [1, 5, 6], [1, 7], [1, 8, 9, 10]]
@@ -87,6 +88,25 @@ def test_a_head_with_a_bias_gets_its_gradient() -> None:
 
     assert grads(None)[2].abs().sum() > 0
     for a, b in zip(grads(4), grads(None), strict=True):
+        torch.testing.assert_close(a, b, **FLOAT32)
+
+
+def test_a_head_given_as_a_function_gets_the_gradients_of_its_tensors() -> None:
+    """chunked_outputs of a function of (states, targets) that gives no entropy, its weight a plain tensor: the
+    function's values on all rows at once, None for the entropy, and the gradients of the states and the weight."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 16, requires_grad=True)
+    states, targets = torch.randn(N, 16, requires_grad=True), torch.randint(0, 50, (N,))
+
+    def outputs(chunk_states: torch.Tensor, chunk_targets: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return head_outputs(lambda x: x @ weight.t(), chunk_states, chunk_targets, 0.7, entropy=False)[0], None
+
+    logprobs, entropy = chunked_outputs(outputs, states, targets, [weight], 4)
+    want = outputs(states, targets)[0]
+    assert entropy is None and logprobs.requires_grad
+    weights = torch.linspace(-1.0, 2.0, N)
+    got_grads, want_grads = (torch.autograd.grad((v * weights).sum(), [states, weight]) for v in (logprobs, want))
+    for a, b in zip([logprobs, *got_grads], [want, *want_grads], strict=True):
         torch.testing.assert_close(a, b, **FLOAT32)
 
 

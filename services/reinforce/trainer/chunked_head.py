@@ -1,13 +1,19 @@
-"""The policy head's log-probs and entropies over chunks of response positions, forward and backward, so that no
-[N, V] logits tensor is ever held."""
+"""A policy head's log-probs and entropies over chunks of response positions, forward and backward, so that no
+[N, V] logits tensor is ever held: the torch trainer's lm_head (:func:`head_logprobs`) and any other head given as
+a function of a chunk's states and targets (:func:`chunked_outputs`: the Megatron backend's vocabulary-parallel
+output layer)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch.autograd.function import FunctionCtx
+
+# (a chunk's states [n, H], its targets [n]) -> (log-prob of each target [n], each row's entropy [n] or None).
+Outputs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def temperature_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,15 +43,23 @@ def head_logprobs(
     """
     rows = chunk_rows or head_chunk_rows(head_vocab_size(head))
     if type(head) is torch.nn.Linear:  # exactly: a subclass (a quantised layer, say) may compute otherwise
-        logprobs, entropies = _ChunkedLinearHead.apply(
-            states, targets, temperature, entropy, rows, head.weight, head.bias
-        )
-        return logprobs, entropies if entropy else None
+        present = _ChunkedLinearHead.apply(states, targets, temperature, entropy, rows, head.weight, head.bias)
+        return _outputs_in(present)
     params = [p for p in head.parameters() if p.requires_grad]
-    if torch.is_grad_enabled() and (states.requires_grad or params):
-        logprobs, entropies = _ChunkedHead.apply(states, targets, head, temperature, entropy, rows, *params)
-        return logprobs, entropies if entropy else None
-    return _chunked(head, states, targets, temperature, entropy, rows)
+    return chunked_outputs(_outputs_of(head, temperature, entropy), states, targets, params, rows)
+
+
+def chunked_outputs(
+    outputs: Outputs, states: torch.Tensor, targets: torch.Tensor, params: Sequence[torch.Tensor], rows: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`outputs` of all N rows [N] (each row's entropy, or None where `outputs` gives none), computed `rows` rows at
+    a time: its values and, through :class:`_ChunkedHead`, its gradients to the states and to `params`, the
+    tensors that `outputs` uses and that should get gradients (summed over the chunks). Backward calls `outputs`
+    again on each chunk in order, so a head whose outputs run collectives (a vocabulary-parallel one) runs them in
+    the same order on every rank, as long as every rank calls this with the same row count and `rows`."""
+    if torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in params)):
+        return _outputs_in(_ChunkedHead.apply(states, targets, outputs, rows, *params))
+    return _chunked(outputs, states, targets, rows)
 
 
 # At most this many logits (rows x vocabulary) at once in a log-prob pass: 32 MiB in float32, 170 rows of a 49k
@@ -78,52 +92,58 @@ def head_outputs(
     return picked, token_entropy(log_softmax) if entropy else None
 
 
+def _outputs_of(head: Callable[[torch.Tensor], torch.Tensor], temperature: float, entropy: bool) -> Outputs:
+    """:func:`head_outputs` of `head` as a function of (states, targets)."""
+    return partial(head_outputs, head, temperature=temperature, entropy=entropy)
+
+
 def _chunked(
-    head: Callable[[torch.Tensor], torch.Tensor],
-    states: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    entropy: bool,
-    rows: int,
+    outputs: Outputs, states: torch.Tensor, targets: torch.Tensor, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    chunks = [
-        head_outputs(head, s, t, temperature, entropy)
-        for s, t in zip(states.split(rows), targets.split(rows), strict=True)
-    ]
-    return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]) if entropy else None
+    # No rows still make one (empty) chunk: split gives it, and with it the outputs' dtype and whether there is entropy.
+    chunks = [outputs(s, t) for s, t in zip(states.split(rows), targets.split(rows), strict=True)]
+    entropies = [c[1] for c in chunks]
+    return torch.cat([c[0] for c in chunks]), None if entropies[0] is None else torch.cat(entropies)
+
+
+def _present(logprobs: torch.Tensor, entropies: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The outputs a Function returns: autograd takes tensors only, so no entropy is no second output."""
+    return (logprobs,) if entropies is None else (logprobs, entropies)
+
+
+def _outputs_in(present: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs, entropies or None) from a Function's :func:`_present` outputs."""
+    return present[0], present[1] if len(present) > 1 else None
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """:func:`head_outputs` of any head module over row chunks. Backward recomputes each chunk under the forward's
-    autocast and RNG state (so a LoRA head's dropout draws the same masks) and backpropagates through it alone;
-    gradients go to the states and the head's trainable parameters."""
+    """:func:`chunked_outputs`: `outputs` over row chunks. Backward recomputes each chunk under the forward's autocast
+    and RNG state (so a LoRA head's dropout draws the same masks) and backpropagates through it alone; gradients go
+    to the states and to the params (those that `outputs` uses)."""
 
     @staticmethod
     def forward(
         ctx: FunctionCtx,
         states: torch.Tensor,
         targets: torch.Tensor,
-        head: torch.nn.Module,
-        temperature: float,
-        entropy: bool,
+        outputs: Outputs,
         rows: int,
-        *params: torch.nn.Parameter,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.head, ctx.temperature, ctx.entropy, ctx.rows = head, temperature, entropy, rows
+        *params: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.outputs, ctx.rows = outputs, rows
         ctx.autocast = _autocast_state(states.device.type)
         ctx.rng = _rng_state(states.device)
         ctx.save_for_backward(states, targets, *params)
-        logprobs, entropies = _chunked(head, states, targets, temperature, entropy, rows)
-        return logprobs, entropies if entropy else logprobs.new_zeros(0)  # autograd wants a tensor either way
+        return _present(*_chunked(outputs, states, targets, rows))
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple:
         states, targets, *params = ctx.saved_tensors
         with torch.autocast(**ctx.autocast), _restored_rng(states.device, ctx.rng):
             grad_states, grad_params = _recomputed_gradients(
-                ctx, ctx.head, states, targets, params, ctx.needs_input_grad[6:], grad_logprobs, grad_entropy
+                ctx, ctx.outputs, states, targets, params, ctx.needs_input_grad[4:], grads
             )
-        return grad_states, None, None, None, None, None, *grad_params
+        return grad_states, None, None, None, *grad_params
 
 
 class _ChunkedLinearHead(torch.autograd.Function):
@@ -142,24 +162,24 @@ class _ChunkedLinearHead(torch.autograd.Function):
         rows: int,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         device_type = states.device.type
         ctx.dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
         ctx.temperature, ctx.entropy, ctx.rows = temperature, entropy, rows
         ctx.save_for_backward(states, targets, weight, bias)
         with torch.autocast(device_type, enabled=False):
             head = _CastLinear(weight, bias, ctx.dtype)
-            logprobs, entropies = _chunked(head, states, targets, temperature, entropy, rows)
-        return logprobs, entropies if entropy else logprobs.new_zeros(0)
+            return _present(*_chunked(_outputs_of(head, temperature, entropy), states, targets, rows))
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple:
         states, targets, weight, bias = ctx.saved_tensors
         wanted = ctx.needs_input_grad[5:7]
         head = _CastLinear(weight, bias, ctx.dtype, wanted)
+        outputs = _outputs_of(head, ctx.temperature, ctx.entropy)
         with torch.autocast(states.device.type, enabled=False):
             grad_states, (grad_weight, grad_bias) = _recomputed_gradients(
-                ctx, head, states, targets, head.leaves, wanted, grad_logprobs, grad_entropy
+                ctx, outputs, states, targets, head.leaves, wanted, grads
             )
         return (
             grad_states,
@@ -191,16 +211,16 @@ class _CastLinear:
 
 def _recomputed_gradients(
     ctx: FunctionCtx,
-    head: Callable[[torch.Tensor], torch.Tensor],
+    outputs: Outputs,
     states: torch.Tensor,
     targets: torch.Tensor,
-    leaves: list[torch.Tensor | None],
+    leaves: Sequence[torch.Tensor | None],
     wanted: Iterable[bool],
-    grad_logprobs: torch.Tensor,
-    grad_entropy: torch.Tensor,
+    grads: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """(d loss / d states, d loss / d each wanted leaf, summed over chunks) of the chunked head_outputs, each chunk's
-    logits recomputed and differentiated by autograd alone: one chunk's [rows, V] tensors alive at a time."""
+    """(d loss / d states, d loss / d each wanted leaf, summed over chunks) of the chunked `outputs`, given the
+    loss's gradients of the log-probs and (where `outputs` gives them) the entropies: each chunk's logits recomputed
+    and differentiated by autograd alone, one chunk's [rows, V] tensors alive at a time."""
     want_states, wanted = ctx.needs_input_grad[0], list(wanted)
     grad_states = torch.empty_like(states) if want_states else None
     totals: list[torch.Tensor | None] = [None] * len(leaves)
@@ -209,12 +229,9 @@ def _recomputed_gradients(
         for start in range(0, states.shape[0], ctx.rows):
             chunk = slice(start, start + ctx.rows)
             chunk_states = states[chunk].detach().requires_grad_(want_states)
-            picked, entropies = head_outputs(head, chunk_states, targets[chunk], ctx.temperature, ctx.entropy)
-            outputs, grads = [picked], [grad_logprobs[chunk]]
-            if ctx.entropy:
-                outputs.append(entropies)
-                grads.append(grad_entropy[chunk])
-            got = list(torch.autograd.grad(outputs, [chunk_states] * want_states + inputs_wanted, grads))
+            values = _present(*outputs(chunk_states, targets[chunk]))
+            chunk_grads = [grad[chunk] for grad in grads]
+            got = list(torch.autograd.grad(values, [chunk_states] * want_states + inputs_wanted, chunk_grads))
             if want_states:
                 grad_states[chunk] = got.pop(0)
             _accumulate(totals, wanted, got)

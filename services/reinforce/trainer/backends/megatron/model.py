@@ -4,7 +4,9 @@
 torch trainer's): log_softmax(logits / temperature) of each response token, (logprobs [B, T], mask [B, T]),
 right-padded, differentiable. With tensor parallelism each rank holds a slice of the vocabulary; the
 log-softmax is computed across the slices by Megatron's `vocab_parallel_cross_entropy` (no rank ever
-materialises the full-vocabulary logits), and its backward is the exact softmax gradient per slice.
+materialises the full-vocabulary logits), and its backward is the exact softmax gradient per slice. Nor does a
+rank hold its slice's logits of every response token at once: the output layer runs over chunks of response
+positions, forward and backward (reinforce.trainer.chunked_head, as the torch trainer's head does).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from reinforce.trainer.backends.megatron.convert import (
     megatron_shards_to_hf,
 )
 from reinforce.trainer.backends.megatron.cpu_shim import apply_cpu_shim
-from reinforce.trainer.chunked_head import temperature_scaled
+from reinforce.trainer.chunked_head import chunked_outputs, head_chunk_rows, temperature_scaled
 
 _EXTRA_STATE = "_extra_state"
 
@@ -176,11 +178,10 @@ def _hidden_states_only(model: Any) -> Iterator[None]:
         model.post_process = saved
 
 
-def _response_logits(
-    model: Any, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float, vocab_size: int | None
+def _response_states(
+    model: Any, prompt_ids: list[list[int]], response_ids: list[list[int]]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(this rank's vocabulary slice of logits / temperature at each real response token [N, V/t], padded
-    vocabulary columns at -inf; the tokens [N]; the [B, T] mask)."""
+    """(the final hidden states that predict each real response token [N, H]; the tokens [N]; the [B, T] mask)."""
     check_sequences(prompt_ids, response_ids)
     if not model.pre_process or not model.post_process:
         raise NotImplementedError("log-probs need the whole model on this rank (pipeline parallelism is not wired)")
@@ -198,11 +199,36 @@ def _response_logits(
     with _hidden_states_only(model):
         hidden = model(input_ids=input_ids, position_ids=positions, attention_mask=None, decoder_input=embedded)
     rows, cols, targets, mask = response_positions(prompt_ids, response_ids, device)
-    picked_hidden = hidden[cols, rows].unsqueeze(1)  # [N, 1, H]: Megatron's linears take [s, b, h]
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(picked_hidden, weight=weight)  # [N, 1, V_padded / t], this rank's slice
-    logits = temperature_scaled(logits.squeeze(1), temperature)
-    return _mask_padded_vocab(logits, vocab_size or model.unpadded_vocab_size), targets, mask
+    return hidden[cols, rows], targets, mask
+
+
+def _head_outputs(
+    model: Any, states: Tensor, targets: Tensor, temperature: float, vocab_size: int | None, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits / temperature) at each target [N] and, if `entropy`, each row's entropy [N], the logits
+    being the output layer's of `states` [N, H] over the whole (unpadded) vocabulary: this rank's slice, reduced
+    across the slices. Computed over chunks of rows, each [rows, V/t] logits held alone, forward and backward; the
+    rows are :func:`head_chunk_rows` of the slice width, the same on every rank, so every rank runs the same
+    collectives in the same order."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    tied = model.share_embeddings_and_output_weights
+    # [V_padded / t, H]: the output layer's own weight or, tied, the embedding's, which it is given.
+    weight = model.shared_embedding_or_output_weight()
+    given = weight if tied else None
+    vocab_size = vocab_size or model.unpadded_vocab_size
+
+    def outputs(chunk_states: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        logits, _ = model.output_layer(chunk_states.unsqueeze(1), weight=given)  # Megatron's linears take [s, b, h]
+        logits = _mask_padded_vocab(temperature_scaled(logits.squeeze(1), temperature), vocab_size)
+        # The entropy first: vocab_parallel_cross_entropy overwrites its input with the softmax (in place).
+        entropies = _vocab_parallel_entropy(logits) if entropy else None
+        # -log_softmax at the target, its max and sum-exp reduced over the TP ranks.
+        return -vocab_parallel_cross_entropy(logits, chunk_targets), entropies
+
+    # What the head trains, to get its gradients from the chunks: the output layer's parameters, or the tied weight.
+    params = [p for p in ([weight] if tied else model.output_layer.parameters()) if p.requires_grad]
+    return chunked_outputs(outputs, states, targets, params, head_chunk_rows(weight.shape[0]))
 
 
 def response_logprobs(
@@ -220,11 +246,9 @@ def response_logprobs(
     tensor-parallel group must call it with the same batch. `vocab_size` (default: the model's
     `unpadded_vocab_size`, set by build_gpt_model) excludes Megatron's padded vocabulary rows from the softmax.
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits, targets, mask = _response_logits(model, prompt_ids, response_ids, temperature, vocab_size)
-    # vocab_parallel_cross_entropy returns -log_softmax at the target, reducing max and sum-exp over TP ranks.
-    return padded_like(mask, -vocab_parallel_cross_entropy(logits, targets)), mask
+    states, targets, mask = _response_states(model, prompt_ids, response_ids)
+    logprobs, _ = _head_outputs(model, states, targets, temperature, vocab_size, entropy=False)
+    return padded_like(mask, logprobs), mask
 
 
 def response_logprobs_and_entropy(
@@ -232,12 +256,9 @@ def response_logprobs_and_entropy(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-probs as :func:`response_logprobs`, each token's distribution's entropy, mask), all [B, T]: the
     contract of reinforce.trainer.logprobs.response_logprobs_and_entropy."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits, targets, mask = _response_logits(model, prompt_ids, response_ids, temperature, None)
-    # The entropy first: vocab_parallel_cross_entropy overwrites its input with the softmax (in place).
-    entropy = padded_like(mask, _vocab_parallel_entropy(logits))
-    return padded_like(mask, -vocab_parallel_cross_entropy(logits, targets)), entropy, mask
+    states, targets, mask = _response_states(model, prompt_ids, response_ids)
+    logprobs, entropy = _head_outputs(model, states, targets, temperature, None, entropy=True)
+    return padded_like(mask, logprobs), padded_like(mask, entropy), mask
 
 
 def _vocab_parallel_entropy(logits: Tensor) -> Tensor:
