@@ -504,14 +504,11 @@ def test_a_namespaced_call_leaves_no_zombie_to_the_host() -> None:
         "sandbox = Sandbox(limits, 1, [], 'namespaces', reap_strays=sys.argv[1] == 'y')\n"
         "assert asyncio.run(sandbox.run('import time; time.sleep(60)')).timed_out"
     )
-    host = (  # becomes a subreaper, runs the call in a child and lists the processes of a call's uid it adopted
-        "import ctypes, os, subprocess, sys, time\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+    host = (  # becomes a subreaper, runs the call in a child and counts the processes of a call's uid it adopted
+        "import subprocess, sys, time, psutil\n"
+        "from reinforce.environment.sandbox import SANDBOX_UID_BASE, become_subreaper\nbecome_subreaper()\n"
         "subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True)\ntime.sleep(0.5)\n"
-        "me = str(os.getpid())\nadopted = []\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n"
-        "    try:\n        stat, status = open(f'/proc/{pid}/stat').read(), open(f'/proc/{pid}/status').read()\n"
-        "    except OSError:\n        continue\n    uid = int(status.split('Uid:')[1].split()[0])\n"
-        f"    if stat.rsplit(')', 1)[1].split()[1] == me and uid >= {SANDBOX_UID_BASE}:\n        adopted.append(pid)\n"
-        "print(len(adopted))"
+        "print(sum(child.uids().real >= SANDBOX_UID_BASE for child in psutil.Process().children()))"
     )
     left = [
         subprocess.run([sys.executable, "-c", host, call, sweep], capture_output=True, text=True, timeout=120)
