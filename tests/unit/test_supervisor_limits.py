@@ -51,7 +51,7 @@ def test_the_restart_count_resets_after_a_healthy_period(tmp_path):
 
 def test_component_logs_rotate_by_size(tmp_path):
     """R3-17: a component writing 4 MB leaves at most its cap (256 KiB) and one older copy, plus what it wrote
-    between two of the supervisor's checks."""
+    between two of the supervisor's checks, and its last line survives."""
     sup = supervisor(tmp_path, logging={"max_component_log_mb": 0.25})
     program = "import time\nfor i in range(4000):\n print(f'{i:06d}' + 'x' * 1000)\n time.sleep(0.0005)"
     try:
@@ -65,7 +65,10 @@ def test_component_logs_rotate_by_size(tmp_path):
     assert older.exists()
     for path in (c.log_path, older):
         assert path.stat().st_size < 2 * sup.max_log_bytes, path
-    assert c.log_path.read_text().splitlines()[-1].startswith("003999")  # the newest output is in NAME.log
+    # The newest output is kept: in NAME.log, or in NAME.log.1 when a check ran between the program's last write
+    # and its exit (its interpreter's shutdown takes a while on a loaded machine) and left NAME.log empty.
+    newest = c.log_path.read_text() or older.read_text()
+    assert newest.splitlines()[-1].startswith("003999")
 
 
 def test_a_full_disk_stops_the_supervisor_cleanly(tmp_path):
