@@ -24,6 +24,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -192,8 +193,7 @@ def write_safetensors(
     """Write `tensors` to `path` in the safetensors format and return (bytes, sha256 of them); `chunks`, when
     given, also hashes each of its chunks.
 
-    The file is hashed as it is written, straight from the tensors' memory: no serialised copy, no reading back
-    (for a 270 MB bfloat16 policy here: 0.3 s, where the library's `save` to bytes and their hash took 0.5 s).
+    The file is hashed as it is written, straight from the tensors' memory: no serialised copy, no reading back.
     Format: an 8-byte little-endian header length, the JSON header (names, dtypes, shapes, byte offsets, metadata)
     padded with spaces to a multiple of 8, then each tensor's bytes in header order.
     """
@@ -213,13 +213,18 @@ def write_safetensors(
     encoded += b" " * (-len(encoded) % 8)
     digest = hashlib.sha256()
     num_bytes = 0
-    with path.open("wb") as f:
-        for chunk in (len(encoded).to_bytes(8, "little"), encoded, *map(_raw_bytes, tensors.values())):
-            f.write(chunk)
-            digest.update(chunk)
+    # The chunk digests are a second pass of sha256 over the same bytes: a thread takes it, beside the writing and
+    # the whole file's digest (hashlib and file writes release the GIL), so it adds no time where a core is free.
+    with path.open("wb") as f, ThreadPoolExecutor(max_workers=1) as chunk_hashing:
+        pending = []
+        for piece in (len(encoded).to_bytes(8, "little"), encoded, *map(_raw_bytes, tensors.values())):
             if chunks is not None:
-                chunks.update(chunk)
-            num_bytes += len(chunk)
+                pending.append(chunk_hashing.submit(chunks.update, piece))  # one worker: in order
+            f.write(piece)
+            digest.update(piece)
+            num_bytes += len(piece)
+        for hashed in pending:
+            hashed.result()
     return num_bytes, digest.hexdigest()
 
 
