@@ -10,8 +10,10 @@ configuration runs in a fresh process, as a trainer would: it loads the policy a
 REINFORCE steps on the same batch. Printed and saved (benchmarks/results/long_responses.json, then BENCHMARKS.md):
 the median seconds per step (the first step, which allocates AdamW's state, left out), the process's peak resident
 memory over its whole life (VmHWM: what a pod's memory limit meets), and that peak above the resident memory once
-the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget); `tokens` the new one
-(micro_batch_tokens 4096); `tokens + gradient checkpointing` the same with training.gradient_checkpointing on.
+the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget, the C library's malloc);
+`tokens (micro_batch_tokens 4096), jemalloc` the new one (training.allocator auto finds jemalloc here); beside them
+the token budget with malloc, a budget of 3072 tokens (what the 32-token batch holds: both lengths then fill equal
+micro-batches), and the default with training.gradient_checkpointing on.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import RunSpec, load_spec
 from reinforce.trainer.algorithms import build_algorithm
+from reinforce.trainer.allocator import use_allocator
 from reinforce.trainer.backends import build_backend
 from reinforce.trainer.batch import StepBatch
 from reinforce.trainer.distributed import Ranks
@@ -45,14 +48,21 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "long_responses.json"
 HEADING = "## Long responses: micro-batches by count and by token budget"
 RESPONSE_LENGTHS = (32, 512)
+TOKENS = {"micro_batch_prompts": None, "micro_batch_tokens": 4096}
 CONFIGS = {
-    "count (micro_batch_prompts 2)": {"micro_batch_prompts": 2, "micro_batch_tokens": None},
-    "tokens (micro_batch_tokens 4096)": {"micro_batch_prompts": None, "micro_batch_tokens": 4096},
-    "tokens + gradient checkpointing": {
-        "micro_batch_prompts": None,
-        "micro_batch_tokens": 4096,
-        "gradient_checkpointing": True,
+    "count (micro_batch_prompts 2), malloc": {
+        "micro_batch_prompts": 2,
+        "micro_batch_tokens": None,
+        "allocator": "system",
     },
+    "tokens (micro_batch_tokens 4096), malloc": {**TOKENS, "allocator": "system"},
+    "tokens (micro_batch_tokens 4096), jemalloc": {**TOKENS, "allocator": "jemalloc"},
+    "tokens 3072 (the 32-token batch's size), jemalloc": {
+        **TOKENS,
+        "micro_batch_tokens": 3072,
+        "allocator": "jemalloc",
+    },
+    "tokens + gradient checkpointing, jemalloc": {**TOKENS, "gradient_checkpointing": True, "allocator": "jemalloc"},
 }
 
 
@@ -119,7 +129,8 @@ def render(results: dict) -> str:
         f"{s['precision']}, responses uniform in [1, max_new_tokens]. Each row is a fresh process that loads the "
         "policy and the reference and trains REINFORCE steps on one batch: median s/step after a warm-up step; the "
         "process's peak RSS over its life (what a pod's memory limit meets), its ratio to the same configuration's "
-        "at 32 tokens, and the peak above the RSS once the models were loaded.",
+        "at 32 tokens, and the peak above the RSS once the models were loaded. malloc and jemalloc: "
+        "training.allocator system and jemalloc (the default, auto, is jemalloc where it is installed).",
         "",
         "| max_new_tokens | micro-batches | s/step | peak RSS MiB | peak / at 32 tokens | above loaded MiB "
         "| micro-batches per step | padding |",
@@ -149,6 +160,7 @@ def main() -> None:
     base = load_spec(args.spec)
     if args.one:
         spec = configured(base, int(args.one[0]), args.one[1])
+        use_allocator(spec.training.allocator)  # as the trainer does: this process may start again
         print(json.dumps(measure(spec, args.policy, args.steps)))
         return
     spec_path = args.spec.resolve()

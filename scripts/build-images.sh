@@ -91,7 +91,7 @@ stop_dockerd() {
 RELEASE="$(. /etc/os-release && echo "$VERSION_CODENAME")"
 BASE_IMAGE="reinforce-base:$RELEASE"
 # libpython3.X: Triton's Python backend links the system libpython (X: the release's python3, i.e. this machine's).
-BASE_PACKAGES="python3,python3-venv,libpython3.$(/usr/bin/python3 -c 'import sys; print(sys.version_info[1])'),ca-certificates,curl,redis-server"
+BASE_PACKAGES="python3,python3-venv,libpython3.$(/usr/bin/python3 -c 'import sys; print(sys.version_info[1])'),ca-certificates,curl,redis-server,libjemalloc2"
 
 debian_mirror() {  # the first mirror of the machine's apt sources (deb822 or one-line) that serves $RELEASE
     cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |

@@ -40,6 +40,7 @@ from reinforce.core.threads import configure_threads
 from reinforce.core.trackers import Trackers
 from reinforce.core.weights import publish
 from reinforce.trainer.algorithms import build_algorithm
+from reinforce.trainer.allocator import use_allocator
 from reinforce.trainer.backends import build_backend
 from reinforce.trainer.batch import StepBatch, prompt_index
 from reinforce.trainer.checkpoint import TrainerState, load_checkpoint, newest_intact_checkpoint, save_checkpoint
@@ -420,8 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     spec_file, args = TrainerFlags.parse(TRAINER.parser(__doc__.splitlines()[0]), argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per critic request
-    configure_threads()
     spec = load_spec(spec_file)
+    use_allocator(spec.training.allocator)  # may start this process again, with jemalloc preloaded
+    configure_threads()
     ranks = Ranks.from_environment(spec.training.tensor_parallel * spec.training.pipeline_parallel)
     trainer = Trainer(spec, args.redis_url, ranks, args.critic_url)
     if spec.weights.transport == "http" and ranks.is_main:
