@@ -10,10 +10,10 @@ configuration runs in a fresh process, as a trainer would: it loads the policy a
 REINFORCE steps on the same batch. Printed and saved (benchmarks/results/long_responses.json, then BENCHMARKS.md):
 the median seconds per step (the first step, which allocates AdamW's state, left out), the process's peak resident
 memory over its whole life (VmHWM: what a pod's memory limit meets), and that peak above the resident memory once
-the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget, the C library's malloc);
-`tokens (micro_batch_tokens 4096), jemalloc` the new one (training.allocator auto finds jemalloc here); beside them
-the token budget with malloc, a budget of 3072 tokens (what the 32-token batch holds: both lengths then fill equal
-micro-batches), and the default with training.gradient_checkpointing on.
+the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget); `tokens
+(micro_batch_tokens 4096), malloc` the new one (training.allocator system); beside them, with training.allocator
+jemalloc, the same budget, a budget of 3072 tokens (what the 32-token batch holds: both lengths then fill equal
+micro-batches), and the budget with training.gradient_checkpointing on.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def render(results: dict) -> str:
         "policy and the reference and trains REINFORCE steps on one batch: median s/step after a warm-up step; the "
         "process's peak RSS over its life (what a pod's memory limit meets), its ratio to the same configuration's "
         "at 32 tokens, and the peak above the RSS once the models were loaded. malloc and jemalloc: "
-        "training.allocator system and jemalloc (the default, auto, is jemalloc where it is installed).",
+        "training.allocator system (the default) and jemalloc.",
         "",
         "| max_new_tokens | micro-batches | s/step | peak RSS MiB | peak / at 32 tokens | above loaded MiB "
         "| micro-batches per step | padding |",

@@ -513,14 +513,13 @@ class TrainingSpec(_Section):
         "reference. auto: on CPU eager (plain matmuls) for micro-batches padded to at most 256 tokens and sdpa "
         "beyond, the faster of the two on CPU at each length; sdpa on GPU.",
     )
-    allocator: Literal["auto", "jemalloc", "system"] = Field(
-        "auto",
-        description="The trainer process's memory allocator. auto: jemalloc where libjemalloc.so.2 is installed "
-        "(Debian's libjemalloc2: the project's images and `make install` have it), else the C library's malloc; "
-        "jemalloc: refuse to start without it; system: the C library's malloc. A step's tensors change size with "
-        "every micro-batch, and the C library's malloc keeps freed blocks it then cannot reuse, so the trainer's "
-        "resident memory outgrows its live tensors; jemalloc reuses them. The trainer loads it by starting itself "
-        "again with LD_PRELOAD.",
+    allocator: Literal["system", "jemalloc"] = Field(
+        "system",
+        description="The trainer process's memory allocator. system: the C library's malloc. jemalloc (Debian's "
+        "libjemalloc2: the project's images and `make install` have it; refused where it is not installed): less "
+        "resident memory for long responses, whose tensors change size with every micro-batch, at the cost of "
+        "slower steps (it returns freed pages to the system and faults them in again). The trainer loads it by "
+        "starting itself again with LD_PRELOAD.",
     )
     steps: int = Field(20, ge=1, description="Optimisation steps (one per rollout batch).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; the batch is prompts_per_step * k.")

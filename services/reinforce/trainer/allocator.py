@@ -1,10 +1,12 @@
-"""The trainer's memory allocator (training.allocator): jemalloc where it is installed, else the C library's malloc.
+"""The trainer's memory allocator (training.allocator): the C library's malloc, or jemalloc.
 
 A step's tensors change size with every micro-batch (sequences sorted by length under a token budget). The C
 library's malloc keeps freed blocks that it then cannot reuse for the next sizes, and the process's resident memory
-outgrows what its live tensors hold; jemalloc's size classes reuse them. An allocator is chosen before a process
-starts (LD_PRELOAD), so the trainer starts itself again, once, with jemalloc preloaded: the same process id, arguments
-and environment, so a supervisor, a pod or torchrun sees nothing change.
+outgrows what its live tensors hold. jemalloc holds less because it keeps returning freed pages to the system, and
+the step pays for faulting them in again: a trade for runs that meet a memory limit, not a default (BENCHMARKS.md,
+Long responses). An allocator is chosen before a process starts (LD_PRELOAD), so the trainer starts itself again,
+once, with jemalloc preloaded: the same process id, arguments and environment, so a supervisor, a pod or torchrun
+sees nothing change.
 """
 
 from __future__ import annotations
@@ -40,22 +42,17 @@ def preload_environment(
     """The environment to start again with, jemalloc preloaded; None when this process should go on as it is.
 
     Nothing to do under `system`, or when jemalloc is already loaded. LD_PRELOAD already naming it (a start that
-    preloaded it and failed) is never tried again, so the trainer cannot loop. A user's own LD_PRELOAD is kept.
+    preloaded it and failed) is refused rather than tried again, so the trainer cannot loop. A user's own
+    LD_PRELOAD is kept.
     """
     if choice == "system" or loaded:
         return None
-    if library is None:
-        if choice == JEMALLOC:
-            raise AllocatorError(
-                "training.allocator is jemalloc, but libjemalloc.so.2 is not installed "
-                "(Debian: apt-get install libjemalloc2); auto falls back to the C library's malloc"
-            )
-        log.info("training.allocator auto: jemalloc is not installed; the C library's malloc it is")
-        return None
     preloaded = environ.get("LD_PRELOAD", "")
-    if JEMALLOC in preloaded:
-        log.warning("LD_PRELOAD names jemalloc (%s) but it is not loaded: the C library's malloc it is", preloaded)
-        return None
+    if library is None or JEMALLOC in preloaded:
+        raise AllocatorError(
+            "training.allocator is jemalloc, but libjemalloc.so.2 is not installed or does not load "
+            f"(LD_PRELOAD {preloaded!r}; Debian: apt-get install libjemalloc2), or set training.allocator: system"
+        )
     return {**environ, "LD_PRELOAD": f"{library} {preloaded}".strip()}
 
 
@@ -64,10 +61,10 @@ def use_allocator(choice: str) -> None:
     not loaded yet; otherwise return. Call it first, before the process opens ports or files it would keep."""
     environ = preload_environment(choice, dict(os.environ), jemalloc_library(), jemalloc_loaded())
     if environ is None:
-        if jemalloc_loaded():
+        if choice == JEMALLOC:
             log.info("memory allocator: jemalloc")
         return
-    log.info("starting again with %s preloaded (training.allocator %s)", environ["LD_PRELOAD"].split()[0], choice)
+    log.info("starting again with %s preloaded (training.allocator jemalloc)", environ["LD_PRELOAD"].split()[0])
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, environ)
