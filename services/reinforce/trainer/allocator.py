@@ -59,6 +59,8 @@ def preload_environment(
 def use_allocator(choice: str) -> None:
     """Start this process again with jemalloc preloaded when `choice` (training.allocator) asks for it and it is
     not loaded yet; otherwise return. Call it first, before the process opens ports or files it would keep."""
+    if choice == "system":  # the default: no library lookup (ldconfig) or /proc read at every trainer start
+        return
     environ = preload_environment(choice, dict(os.environ), jemalloc_library(), jemalloc_loaded())
     if environ is None:
         if choice == JEMALLOC:
