@@ -11,10 +11,10 @@ tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimi
 TRL's RLOO choices on our side (`baseline_samples: all`, signed KL). TRL runs in float32 and with `bf16=True` (its
 autocast, float32 master weights), both without gradient checkpointing (RLOOConfig's default turns it on: at 135M it
 only costs time); our ratios are to the faster of the two. `reinforce run` runs in the
-configurations of OURS, each named by the sampler and training precision it sets: `bf16, vLLM sampler`,
+configurations of OURS: `the defaults` (sets nothing: generation.engine auto picks vLLM for SmolLM2, training
+bf16), then each named by the sampler and training precision it sets: `bf16, vLLM sampler`,
 `fp32, torch sampler` (the exactness configuration), `bf16, torch sampler` (its learning curve beside fp32's on the
-same seed) and `tuned` (vLLM and bf16 with the whole step in one micro-batch); the table marks the row whose settings
-are the spec's defaults. Each repeat
+same seed) and `tuned` (vLLM and bf16 with the whole step in one micro-batch). Each repeat
 runs TRL, then `reinforce run`, one after the other so that none competes with another for the cores; the mean
 1-minute load average during each run is recorded beside it (other work on a shared machine slows both sides).
 `--trl-python` runs TRL in another environment (a venv with trl==1.16.0 and vaderSentiment).
@@ -24,7 +24,9 @@ left out as warm-up), completions/s, response tokens/s, peak RSS of each process
 the last 3 steps, the wall time (sum of step times) until the 3-step mean reward first reaches 0.7, the ratios to
 TRL, the measured float32 and bfloat16 matmul peaks, and the training phase's share of the bfloat16 peak
 (6 x weights x tokens the model computes per step, over `timers/train_time`: each prompt once, each response
-token, the LM head on response tokens only; attention's own products left out).
+token, the LM head on response tokens only; attention's own products left out). Beside the 2048x2048 peak, the
+policy's own matmul peak: bfloat16 GFLOP/s of its linear layers' shapes (the forward product and both backward
+ones) at 2048 rows, what the training phase could reach if it did nothing but its matmuls.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ RESULTS = REPO / "benchmarks" / "results" / "vs_trl.json"
 TARGET_REWARD = 0.7
 # our runs: what each sets beyond the comparison's settings; render() marks the one equal to the spec's defaults
 OURS = {
+    "the defaults": {},
     "bf16, vLLM sampler": {"generation": {"engine": "vllm"}, "training": {"precision": "bf16"}},
     "fp32, torch sampler": {"generation": {"engine": "torch"}, "training": {"precision": "fp32"}},
     "bf16, torch sampler": {"generation": {"engine": "torch"}, "training": {"precision": "bf16"}},
@@ -193,6 +196,38 @@ def matmul_peak_gflops(dtype_name: str, n: int = 2048, seconds: float = 3.0) -> 
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
 
 
+def model_matmul_gflops(policy: Path, rows: int = 2048, seconds_per_shape: float = 1.0) -> float:
+    """bfloat16 GFLOP/s of the policy's linear layers at `rows` tokens: each distinct (in, out) shape timed for the
+    forward product x @ W.T and the backward's g @ W and g.T @ x, weighted by how often the model has it."""
+    import torch
+
+    c = json.loads((policy / "config.json").read_text())
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    kv = c.get("num_key_value_heads") or heads
+    layer = [(hidden, heads * head_dim), (hidden, kv * head_dim), (hidden, kv * head_dim), (heads * head_dim, hidden)]
+    layer += [(hidden, c["intermediate_size"])] * 2 + [(c["intermediate_size"], hidden)]
+    counts: dict[tuple[int, int], int] = {}
+    for shape in layer:
+        counts[shape] = counts.get(shape, 0) + c["num_hidden_layers"]
+    counts[(hidden, c["vocab_size"])] = counts.get((hidden, c["vocab_size"]), 0) + 1
+    flops = seconds = 0.0
+    for (n_in, n_out), count in counts.items():
+        x, w = torch.randn(rows, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
+        g = torch.randn(rows, n_out, dtype=torch.bfloat16)
+        products = ((x, w.T), (g, w), (g.T, x))
+        for a, b in products:
+            a @ b  # warm-up
+        start, reps = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds_per_shape:
+            for a, b in products:
+                a @ b
+            reps += 1
+        seconds += count * (time.perf_counter() - start) / reps
+        flops += count * 6 * rows * n_in * n_out
+    return flops / seconds / 1e9
+
+
 def summarize(rewards: list[float], step_seconds: list[float], response_tokens: list[float], s: Settings) -> dict:
     timed = step_seconds[1:] or step_seconds  # the first step warms up
     per_step = statistics.median(timed)
@@ -329,10 +364,12 @@ def _matmul_parameters(policy: Path) -> tuple[int, int]:
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
-def compare(trl: dict | None, ours: dict, bf16_peak: float) -> dict:
-    """Our run against TRL's (when there is one), and its training phase against the bfloat16 matmul peak."""
+def compare(trl: dict | None, ours: dict, bf16_peak: float, model_peak: float | None = None) -> dict:
+    """Our run against TRL's (when there is one), and its training phase against the bfloat16 matmul peaks."""
     achieved = ours["train_tflop_per_step"] * 1e3 / ours["phase_seconds"]["train_time"]
     ratios = {"train_gflops": achieved, "train_share_of_bf16_peak": achieved / bf16_peak}
+    if model_peak:
+        ratios["train_share_of_model_peak"] = achieved / model_peak
     if trl is not None:
         ratios["completions_per_s_vs_trl"] = ours["completions_per_s"] / trl["completions_per_s"]
         ratios["reward_last3_minus_trl"] = ours["reward_last3"] - trl["reward_last3"]
@@ -350,20 +387,26 @@ def render(results: dict) -> str:
         "Written by `python benchmarks/vs_trl.py` from `benchmarks/results/vs_trl.json`. "
         f"Machine: {m['cpu']}, {m['cpus']} usable CPUs; Python {m['python']}, torch {m['torch']}, "
         f"transformers {m['transformers']}, TRL {m['trl']}. Measured {results['date']}{m.get('note', '')}. "
-        f"Matmul peak (2048x2048): float32 {m['fp32_gflops']:.0f} GFLOP/s, bfloat16 {m['bf16_gflops']:.0f} GFLOP/s.",
+        f"Matmul peak (2048x2048): float32 {m['fp32_gflops']:.0f} GFLOP/s, bfloat16 {m['bf16_gflops']:.0f} GFLOP/s"
+        + (
+            f"; the policy's linear layers in bfloat16 at 2048 rows: {m['model_bf16_gflops']:.0f} GFLOP/s."
+            if "model_bf16_gflops" in m
+            else "."
+        ),
         "",
         f"SmolLM2-135M-Instruct, VADER reward, {s['num_prompts']} review prompts, k={s['k']}, "
         f"{s['prompts_per_step']} prompts per step, {s['max_new_tokens']} new tokens, no stop strings, "
         f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps; s/step is the median over the steps after the first.",
         "",
         "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
-        "settings: " + _settings_text(results["runs"]) + "; `(the defaults)` marks the row whose settings are the "
-        "spec's defaults. Load: the mean 1-minute load average while the run ran (2 usable CPUs: above 2, other work "
-        "competed for them).",
+        "settings: " + _settings_text(results["runs"]) + "; `the defaults` sets nothing (generation.engine auto "
+        "chose vLLM, training.precision auto bf16). Load: the mean 1-minute load average while the run ran (2 usable "
+        "CPUs: above 2, other work competed for them).",
         "",
         "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
-        "| vs TRL's best completions/s | training share of bf16 peak | peak RSS MiB | load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| vs TRL's best completions/s | training share of bf16 peak | of the policy's matmul peak | peak RSS MiB "
+        "| load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in results["runs"]:
         r, c = run["result"], _compared(run, results)
@@ -373,7 +416,8 @@ def render(results: dict) -> str:
             f"{r['response_tokens_per_s']:.0f} | {r['reward_first3']:.3f} | {r['reward_last3']:.3f} | "
             f"{'not reached' if to_target is None else f'{to_target:.0f}'} | "
             f"{_fmt(c.get('completions_per_s_vs_trl'), '{:.2f}x')} | "
-            f"{_fmt(c.get('train_share_of_bf16_peak'), '{:.0%}')} "
+            f"{_fmt(c.get('train_share_of_bf16_peak'), '{:.0%}')} | "
+            f"{_fmt(c.get('train_share_of_model_peak'), '{:.0%}')} "
             f"| {_rss_cell(r['peak_rss_mib'])} | {_fmt(r.get('load_average'), '{:.1f}')} |"
         )
     phased = [run for run in results["runs"] if "phase_seconds" in run["result"]]
@@ -393,34 +437,19 @@ def _compared(run: dict, results: dict) -> dict:
         return run.get("compare", {})  # results saved before the runs named their repeat carry their own
     trl = [r["result"] for r in results["runs"] if "trl" in r and r["repeat"] == run["repeat"]]
     best = min(trl, key=lambda r: r["seconds_per_step"], default=None)
-    return compare(best, run["result"], results["machine"]["bf16_gflops"])
+    machine = results["machine"]
+    return compare(best, run["result"], machine["bf16_gflops"], machine.get("model_bf16_gflops"))
 
 
 def _run_name(run: dict) -> str:
     """TRL's rows as named; ours `reinforce run, CONFIG (the defaults) #REPEAT` where its settings are the defaults."""
     if "ours" not in run:
         return run["name"]
-    marker = " (the defaults)" if _are_defaults(run["sets"]) else ""
-    return f"reinforce run, {run['ours']}{marker} #{run['repeat']}"
-
-
-def _are_defaults(sets: dict[str, dict]) -> bool:
-    """Whether every field in `sets` ({section: {field: value}}) has the value the spec gives it when unset: its
-    `resolved_FIELD()` where the section has one (training.precision auto is bf16 on the torch backend)."""
-    from reinforce.core.spec import GenerationSpec, TrainingSpec
-
-    unset = {"generation": GenerationSpec(), "training": TrainingSpec()}
-
-    def default(section: str, key: str) -> object:
-        resolved = getattr(unset[section], f"resolved_{key}", None)
-        return resolved() if resolved else getattr(unset[section], key)
-
-    pairs = [(section, key, value) for section, fields in sets.items() for key, value in fields.items()]
-    return all(default(section, key) == value for section, key, value in pairs)
+    return f"reinforce run, {run['ours']} #{run['repeat']}"
 
 
 def _settings_text(runs: list[dict]) -> str:
-    configs = {run["ours"]: run["sets"] for run in runs if "ours" in run}
+    configs = {run["ours"]: run["sets"] for run in runs if "ours" in run and any(run["sets"].values())}
     return "; ".join(
         f"`{name}`: "
         + ", ".join(
@@ -508,6 +537,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
+        results["machine"].setdefault("model_bf16_gflops", model_matmul_gflops(policy))
         for repeat in range(args.repeats):
             trl_runs = [] if args.skip_trl else args.trl_precisions
             for precision in trl_runs:

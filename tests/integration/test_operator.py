@@ -172,7 +172,12 @@ def test_pods_take_the_operator_defaults_under_the_run_settings() -> None:
 
 @pytest.mark.parametrize(
     ("engine", "image"),
-    [("torch", "reinforce-generator:0.1.0"), ("vllm", "reinforce-generator:0.1.0-vllm"), ("tensorrt_llm", "trt:1")],
+    [
+        ("auto", "reinforce-generator:0.1.0"),  # no `reinforce run` chose: auto is torch (supervisor/engine_choice.py)
+        ("torch", "reinforce-generator:0.1.0"),
+        ("vllm", "reinforce-generator:0.1.0-vllm"),
+        ("tensorrt_llm", "trt:1"),
+    ],
 )
 def test_generators_run_the_image_of_their_engine(engine: str, image: str) -> None:
     config = OperatorConfig.model_validate({"images": {"generator_tensorrt_llm": "trt:1"}})

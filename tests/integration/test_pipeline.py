@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import load_spec
 
 
 @pytest.mark.slow
@@ -38,6 +39,10 @@ from reinforce.core.run_dir import RunPaths
 def test_tiny_run_learns(tmp_path, training):
     result = reinforce("run", str(write_spec(tmp_path, training=training)))
     assert result.returncode == 0, result.stderr[-3000:]
+    # generation.engine auto: vLLM cannot run the tiny policy's heads of 16 on CPU, so the run samples with torch
+    assert "generation engine torch (float32; auto: vLLM's CPU attention does not run the policy's head size 16)" in (
+        result.stdout
+    )
     paths = RunPaths(tmp_path / "run")
     rows = read_metrics(paths.metrics)
     assert [r["step"] for r in rows] == list(range(1, 31))
@@ -57,12 +62,16 @@ def test_tiny_run_learns(tmp_path, training):
 @pytest.mark.slow
 @needs_vllm
 def test_tiny_run_learns_with_vllm_sampling_in_bfloat16(tmp_path):
-    """The same run with vLLM as the generators' engine: it learns, and the trainer sees and corrects the bf16
-    engine's small log-prob mismatch (truncated importance weights, on by default for engines other than torch)."""
-    result = reinforce("run", str(write_spec(tmp_path, **on_engine("vllm"))))
+    """The same run with vLLM as the generators' engine, which generation.engine auto (the default) picks for a
+    policy whose heads vLLM's CPU attention runs: it learns, and the trainer sees and corrects the bf16 engine's small
+    log-prob mismatch (truncated importance weights, on by default for engines other than torch)."""
+    overrides = on_engine("vllm")
+    del overrides["generation"]["engine"]  # the default chooses it
+    result = reinforce("run", str(write_spec(tmp_path, **overrides)))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "generation engine vllm (bfloat16)" in result.stdout
+    assert "generation engine vllm (bfloat16; auto: vLLM is installed and runs it)" in result.stdout
     paths = RunPaths(tmp_path / "run")
+    assert load_spec(paths.spec).generation.engine == "vllm", "the choice is not in the run folder's spec"
     rows = read_metrics(paths.metrics)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert_reward_rose(rows)

@@ -197,6 +197,15 @@ def test_head_sizes_vllm_cannot_run_are_refused_at_start(tmp_path: Path) -> None
         VLLMEngine(folder, vllm(max_new_tokens=4), 1, threads=1)
 
 
+def test_generation_engine_auto_knows_the_head_sizes_vllm_runs() -> None:
+    """supervisor/engine_choice.py keeps vLLM's list so as not to import vLLM in every run: it must be vLLM's."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from reinforce.supervisor.engine_choice import VLLM_CPU_HEAD_SIZES
+
+    assert list(VLLM_CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
 def test_validation_options_greedy_and_fewer_samples(engine: VLLMEngine, policy: Path) -> None:
     """Validation asks for fewer samples at temperature 0: the likeliest token each time, the same for every seed."""
     greedy = engine.sample(PROMPTS, SEEDS, num_samples=2, temperature=0.0)

@@ -19,7 +19,7 @@ from reinforce.trainer.backends import BACKENDS
 @pytest.mark.parametrize(
     ("model", "field", "names"),
     [
-        (GenerationSpec, "engine", registry.ENGINES),
+        (GenerationSpec, "engine", ("auto", *registry.ENGINES)),  # auto: supervisor/engine_choice.py
         (TrainingSpec, "backend", registry.BACKENDS),
         (AlgorithmSpec, "name", registry.ALGORITHMS),
         (AlgorithmSpec, "advantage_estimator", registry.ADVANTAGE_ESTIMATORS),

@@ -102,7 +102,10 @@ def test_defaults_follow_nemo_aligner():
         ({"critic": {"init": "reward_model"}}, "critic: Value error, init reward_model needs reward_model_path"),
         ({"critic": {"lr": -1}}, "critic.lr: Input should be greater than 0"),
         ({"critic": {"adam_betas": [2, -1]}}, "critic.adam_betas: Value error, each beta must be in [0, 1)"),
-        ({"generation": {"engine": "sglang"}}, "generation.engine: Input should be 'torch', 'vllm' or 'tensorrt_llm'"),
+        (
+            {"generation": {"engine": "sglang"}},
+            "generation.engine: Input should be 'auto', 'torch', 'vllm' or 'tensorrt_llm'",
+        ),
         ({"generation": {"dtype": "float16"}}, "generation.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
         (
             {"generation": {"engine": "tensorrt_llm"}, "training": {"lora": {}}},
@@ -191,22 +194,23 @@ def test_a_loaded_policy_too_short_for_prompt_plus_response_is_refused_at_run_st
 
     from reinforce.supervisor.main import _check_fits_policy
 
-    LlamaConfig(max_position_embeddings=64).save_pretrained(tmp_path / "policy")
+    config = LlamaConfig(max_position_embeddings=64)
     spec = parse_spec({**MINIMAL, "policy": {"path": str(tmp_path / "policy")}, "data": {"prompts": "p.txt"}})
     with pytest.raises(SpecError) as err:
-        _check_fits_policy(spec, Path("run.yaml"), tmp_path / "policy")
+        _check_fits_policy(spec, Path("run.yaml"), config)
     assert str(err.value) == (
         "run.yaml: data.max_prompt_tokens (128) + generation.max_new_tokens (48) = 176 exceeds the policy's "
         "max_position_embeddings (64)"
     )
     short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_prompt_tokens": 16})})
-    _check_fits_policy(short, Path("run.yaml"), tmp_path / "policy")  # 16 + 48 fits
+    _check_fits_policy(short, Path("run.yaml"), config)  # 16 + 48 fits
 
 
 @pytest.mark.parametrize(
     ("engine", "algorithm", "dtype", "corrects"),
     [
         ("torch", {}, "float32", False),
+        ("auto", {}, "float32", False),  # where no `reinforce run` chose (supervisor/engine_choice.py): torch
         ("vllm", {}, "bfloat16", True),
         ("tensorrt_llm", {}, "bfloat16", True),
         ("vllm", {"correct_engine_mismatch": False}, "bfloat16", False),

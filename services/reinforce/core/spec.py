@@ -441,11 +441,13 @@ class EnvironmentSpec(_Section):
 class GenerationSpec(_Section):
     """Sampling by the generators."""
 
-    engine: EngineName = Field(
-        "torch",
+    engine: Literal["auto", EngineName] = Field(
+        "auto",
         description="What samples: torch (the reference sampler, a KV cache in PyTorch), vllm (vLLM in the "
         "generator's process, CPU or GPU; `make install` installs its CPU build) or tensorrt_llm (TensorRT-LLM's LLM "
-        "API, GPU only). Every engine refits published weights in place.",
+        "API, GPU only). Every engine refits published weights in place. auto: `reinforce run` picks vllm where vLLM "
+        "is installed and can run the policy, else torch, and writes its choice into the run folder's spec.yaml; "
+        "where no `reinforce run` chose (a ReinforceRun, docker-compose, a service started by hand), auto is torch.",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -470,11 +472,16 @@ class GenerationSpec(_Section):
         60.0, gt=0, description="A prompt unacknowledged this long (its generator died) is taken over by another."
     )
 
+    def resolved_engine(self) -> EngineName:
+        """`engine` as the services read it: auto, where `reinforce run` did not replace it with its choice
+        (core/engine_choice.py), is torch."""
+        return "torch" if self.engine == "auto" else self.engine
+
     def resolved_dtype(self) -> Literal["float32", "bfloat16"]:
         """`dtype` with auto resolved: float32 for the torch reference, bfloat16 for the fast engines."""
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.engine == "torch" else "bfloat16"
+        return "float32" if self.resolved_engine() == "torch" else "bfloat16"
 
 
 class LoraSpec(_Section):
@@ -811,12 +818,12 @@ class RunSpec(_Section):
         lora = self.training.lora
         if lora is None:
             return self
-        if self.generation.engine == "tensorrt_llm":
+        if self.generation.resolved_engine() == "tensorrt_llm":
             raise ValueError(
                 "training.lora sends adapter-only weight versions, which generation.engine tensorrt_llm does not "
                 "load yet: use generation.engine torch or vllm"
             )
-        if self.generation.engine == "vllm" and lora.rank > 512:
+        if self.generation.resolved_engine() == "vllm" and lora.rank > 512:
             raise ValueError(f"training.lora.rank {lora.rank}: vLLM loads adapters up to rank 512")
         return self
 
@@ -848,7 +855,7 @@ class RunSpec(_Section):
         """algorithm.correct_engine_mismatch, its null resolved: on for engines other than the torch reference."""
         configured = self.algorithm.correct_engine_mismatch
         if configured is None:
-            return self.algorithm.name == "reinforce" and self.generation.engine != "torch"
+            return self.algorithm.name == "reinforce" and self.generation.resolved_engine() != "torch"
         return configured
 
     def resolved_run_dir(self) -> Path:

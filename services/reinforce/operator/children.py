@@ -437,7 +437,7 @@ def _environment_resources(run: Run, settings: PodSpec) -> PodSpec:
 def default_image(run: Run, component: str) -> str:
     """The operator's image for a component; a generator's is the one built for its engine: images.generator_ENGINE
     for an engine that needs a package of its own (core/registry.py's ENGINE_PACKAGES), images.generator else."""
-    engine = run.spec.generation.engine
+    engine = run.spec.generation.resolved_engine()
     if component == COMPONENT_GENERATOR and engine in ENGINE_PACKAGES:
         return getattr(run.config.images, f"generator_{engine}")
     return getattr(run.config.images, component)

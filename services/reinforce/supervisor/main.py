@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.optional import MissingPackage, require_backend, require_engine
@@ -25,6 +25,7 @@ from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, SpecError, check_fits_policy, dump_spec, load_spec
 from reinforce.core.trackers import check_trackers
 from reinforce.supervisor.component import RunFailed
+from reinforce.supervisor.engine_choice import choose_engine
 from reinforce.supervisor.outcome import record_outcome
 from reinforce.supervisor.progress import print_summary
 from reinforce.supervisor.run_folder import prepare_run_dir
@@ -84,15 +85,18 @@ def _run(args: argparse.Namespace) -> int:
     _check_packages(spec, spec_file)
     paths, _lock = prepare_run_dir(spec, resume=bool(args.resume), overwrite=args.overwrite)  # held until exit
     paths.spec.write_text(dump_spec(spec))
+    print(f"run folder {paths.root}; preparing the initial policy ...", flush=True)
+    materialize_policy(spec.policy, paths.initial_policy, spec.seed)
+    policy_config = AutoConfig.from_pretrained(paths.initial_policy)
+    _check_fits_policy(spec, spec_file, policy_config)
+    spec, why = choose_engine(spec, policy_config)
+    paths.spec.write_text(dump_spec(spec))  # the engine chosen, for every service and a resume
     generation = spec.generation
     print(
-        f"run folder {paths.root}; generation engine {generation.engine} ({generation.resolved_dtype()}); "
+        f"generation engine {generation.resolved_engine()} ({generation.resolved_dtype()}; {why}); "
         f"training precision {spec.training.resolved_precision()} (training.precision {spec.training.precision})",
         flush=True,
     )
-    print("preparing the initial policy ...", flush=True)
-    materialize_policy(spec.policy, paths.initial_policy, spec.seed)
-    _check_fits_policy(spec, spec_file, paths.initial_policy)
     code = _supervise(spec, paths)
     if code == 0:
         print_summary(paths)
@@ -128,7 +132,7 @@ def _check_packages(spec: RunSpec, spec_file: Path) -> None:
     """A tracker, engine or backend whose optional package is not installed fails now."""
     try:
         check_trackers(spec.logging.trackers)
-        require_engine(spec.generation.engine)
+        require_engine(spec.generation.resolved_engine())
         require_backend(spec.training.backend)
     except MissingPackage as err:
         raise SpecError(f"{spec_file}: {err}") from None
@@ -155,9 +159,9 @@ def _supervise(spec: RunSpec, paths: RunPaths) -> int:
     return 0
 
 
-def _check_fits_policy(spec: RunSpec, spec_file: Path, policy_dir: Path) -> None:
+def _check_fits_policy(spec: RunSpec, spec_file: Path, policy_config: PretrainedConfig) -> None:
     """Prompt + response must fit the policy's positions: said now, naming the fields, not by a generator later."""
-    limit = getattr(AutoConfig.from_pretrained(policy_dir), "max_position_embeddings", None)
+    limit = getattr(policy_config, "max_position_embeddings", None)
     if limit is None:  # a model family without absolute positions has no such limit
         return
     try:

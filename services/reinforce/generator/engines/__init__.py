@@ -41,5 +41,6 @@ def build_engine(
     generation: GenerationSpec, policy_dir: Path, num_samples: int, lora: LoraSpec | None = None
 ) -> GenerationEngine:
     """The engine the spec names. `lora`: the run's training.lora."""
-    require_engine(generation.engine)
-    return ENGINES[generation.engine](policy_dir, generation, num_samples, lora)
+    engine = generation.resolved_engine()
+    require_engine(engine)
+    return ENGINES[engine](policy_dir, generation, num_samples, lora)
