@@ -160,7 +160,10 @@ class Images(_Section):
 
     redis: str = Field("redis:7.0", description="The run's Redis (needs `redis-server` and `sh`).")
     reward: str = Field("reinforce-reward:0.1.0", description="Reward server.")
-    generator: str = Field("reinforce-generator:0.1.0", description="Generators (generation.engine torch).")
+    generator: str = Field(
+        "reinforce-generator:0.1.0",
+        description="Generators of generation.engine torch, and of auto (read as torch here).",
+    )
     generator_vllm: str = Field(
         "reinforce-generator:0.1.0-vllm",
         description="Generators of generation.engine vllm (the generator image FROM the vLLM runtime).",
