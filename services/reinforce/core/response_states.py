@@ -38,23 +38,29 @@ def response_states(
     prompt_of_row = torch.tensor(prompt_of_row, dtype=torch.long, device=device)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
 
-    # 1. each distinct prompt once, right-padded; its last token's state predicts every sample's first token
     input_ids, attention = (t.to(device) for t in right_padded(prompts, [[] for _ in prompts], pad))
+    # each sample's response but its last token (which predicts nothing)
+    continuations = [r[:-1] for r in response_ids]
+    width = max(len(c) for c in continuations)
+    ids, response_attention = (t.to(device) for t in right_padded([[] for _ in continuations], continuations, pad))
+    # Both passes' tokens through the embedding at once: its backward makes one dense [V, H] gradient, not two.
+    embeds = body.get_input_embeddings()(torch.cat([input_ids.flatten(), ids.flatten()]))
+    prompt_embeds = embeds[: input_ids.numel()].view(*input_ids.shape, embeds.shape[-1])
+    response_embeds = embeds[input_ids.numel() :].view(*ids.shape, embeds.shape[-1])
+
+    # 1. each distinct prompt once, right-padded; its last token's state predicts every sample's first token
     positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-    out = body(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    out = body(inputs_embeds=prompt_embeds, attention_mask=attention, position_ids=positions, use_cache=True)
     first = out.last_hidden_state[torch.arange(len(prompts), device=device), prompt_lengths - 1][prompt_of_row]
     states = first.unsqueeze(1)  # [B, 1 + width, H]: column t predicts response token t
 
-    # 2. each sample's response but its last token (which predicts nothing), after its prompt's keys and values:
-    # the cache holds each prompt's padded slots too, masked out by the joined attention mask
-    continuations = [r[:-1] for r in response_ids]
-    width = max(len(c) for c in continuations)
+    # 2. the continuations after their prompt's keys and values: the cache holds each prompt's padded slots too,
+    # masked out by the joined attention mask
     if width > 0:
         cache = out.past_key_values
         cache.batch_select_indices(prompt_of_row)
-        ids, response_attention = (t.to(device) for t in right_padded([[] for _ in continuations], continuations, pad))
         hidden = body(
-            input_ids=ids,
+            inputs_embeds=response_embeds,
             attention_mask=torch.cat([attention[prompt_of_row], response_attention], dim=1),
             position_ids=prompt_lengths[prompt_of_row].unsqueeze(1) + torch.arange(width, device=device),
             past_key_values=cache,

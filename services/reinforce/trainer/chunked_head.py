@@ -87,7 +87,14 @@ def head_outputs(
     entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unchunked formula: log_softmax of the logits / temperature at each target [n], entropy [n] if asked."""
-    log_softmax = torch.log_softmax(temperature_scaled(head(states), temperature), dim=-1)
+    return logit_outputs(head(states), targets, temperature, entropy)
+
+
+def logit_outputs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`head_outputs` from the head's logits [n, V]."""
+    log_softmax = torch.log_softmax(temperature_scaled(logits, temperature), dim=-1)
     picked = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
     return picked, token_entropy(log_softmax) if entropy else None
 
@@ -147,10 +154,16 @@ class _ChunkedHead(torch.autograd.Function):
 
 
 class _ChunkedLinearHead(torch.autograd.Function):
-    """:func:`head_outputs` of a Linear head over row chunks, as autocast runs it (states, weight and bias cast to
-    its dtype) but with the weight cast once per pass: autocast casts it again at every call made without grad,
-    a copy of the whole [V, H] weight per chunk. Backward as :class:`_ChunkedHead`'s, the gradients of the cast
-    weight and bias summed over the chunks in at least float32 and returned in the parameters' dtype."""
+    """:func:`head_outputs` of a Linear head, as autocast runs it (states, weight and bias cast to its dtype) but
+    with the weight cast once per pass: autocast casts it again at every call made without grad, a copy of the whole
+    [V, H] weight per chunk.
+
+    Forward goes over chunks of rows, the full vocabulary each (a row's log-softmax needs all of it), and keeps each
+    row's log-sum-exp. Backward goes over chunks of the vocabulary, all rows each, with the gradient of the logits
+    written out (:func:`_logit_gradients`): each chunk's d W = d logits^T @ states is then its own rows of the
+    weight's gradient, computed once with every token in one product. Over chunks of rows, every chunk would make
+    a whole [V, H] product, summed into the gradient: for SmolLM2's 49k x 576 head at a thousand response tokens,
+    six products with 170 tokens each and six passes over the whole gradient, most of the step's head time."""
 
     @staticmethod
     def forward(
@@ -165,45 +178,109 @@ class _ChunkedLinearHead(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         device_type = states.device.type
         ctx.dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-        ctx.temperature, ctx.entropy, ctx.rows = temperature, entropy, rows
-        ctx.save_for_backward(states, targets, weight, bias)
+        ctx.temperature, ctx.logits_budget = temperature, rows * weight.shape[0]
         with torch.autocast(device_type, enabled=False):
             head = _CastLinear(weight, bias, ctx.dtype)
-            return _present(*_chunked(_outputs_of(head, temperature, entropy), states, targets, rows))
+            chunks = [
+                _linear_chunk_outputs(head, s, t, temperature, entropy)
+                for s, t in zip(states.split(rows), targets.split(rows), strict=True)
+            ]
+        logprobs, entropies, log_sum_exp = (torch.cat(parts) for parts in zip(*chunks, strict=True))
+        ctx.save_for_backward(states, targets, weight, bias, log_sum_exp, entropies if entropy else None)
+        return _present(logprobs, entropies if entropy else None)
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple:
-        states, targets, weight, bias = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[5:7]
-        head = _CastLinear(weight, bias, ctx.dtype, wanted)
-        outputs = _outputs_of(head, ctx.temperature, ctx.entropy)
+        states, targets, weight, bias, log_sum_exp, entropies = ctx.saved_tensors
+        want_states, want_weight, want_bias = ctx.needs_input_grad[0], *ctx.needs_input_grad[5:7]
+        grad_logprobs, grad_entropies = (*grads, None)[:2]
+        head = _CastLinear(weight, bias, ctx.dtype)
+        x = states.detach().to(ctx.dtype)
+        grad_x = torch.zeros(states.shape, dtype=torch.promote_types(ctx.dtype, torch.float32))
+        grad_weight = torch.empty(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_bias = None if bias is None else torch.empty(bias.shape, dtype=grad_weight.dtype)
+        columns = max(1, ctx.logits_budget // max(1, states.shape[0]))
         with torch.autocast(states.device.type, enabled=False):
-            grad_states, (grad_weight, grad_bias) = _recomputed_gradients(
-                ctx, outputs, states, targets, head.leaves, wanted, grads
-            )
+            for start in range(0, weight.shape[0], columns):
+                vocab = slice(start, start + columns)
+                logits = torch.nn.functional.linear(x, head.weight[vocab], None if bias is None else head.bias[vocab])
+                scaled = temperature_scaled(logits, ctx.temperature)
+                grad_logits = _logit_gradients(
+                    scaled, targets - start, log_sum_exp, entropies, grad_logprobs, grad_entropies, ctx.temperature
+                )
+                if grad_bias is not None:
+                    grad_bias[vocab] = grad_logits.sum(0)
+                grad_logits = grad_logits.to(ctx.dtype)
+                if want_states:
+                    grad_x += grad_logits @ head.weight[vocab]
+                if want_weight:
+                    grad_weight[vocab] = grad_logits.t() @ x
         return (
-            grad_states,
+            grad_x.to(states.dtype) if want_states else None,
             None,
             None,
             None,
             None,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
+            grad_weight.to(weight.dtype) if want_weight else None,
+            grad_bias.to(bias.dtype) if want_bias else None,
         )
+
+
+def _linear_chunk_outputs(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-prob of each target, entropy (zeros unless `entropy`), log-sum-exp of the scaled logits) of a chunk of
+    rows. Without entropy no [rows, V] log-softmax is made: the log-sum-exp is computed in place in the scaled
+    logits (this function's own copy), and a log-prob is its target's scaled logit less it."""
+    scaled = temperature_scaled(head(states), temperature)
+    target_logits = scaled.gather(-1, targets[:, None]).squeeze(-1)
+    if entropy:
+        log_softmax = torch.log_softmax(scaled, dim=-1)
+        picked = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+        return picked, token_entropy(log_softmax), target_logits - picked
+    largest = scaled.amax(-1, keepdim=True)
+    log_sum_exp = (largest + scaled.sub_(largest).exp_().sum(-1, keepdim=True).log_()).squeeze(-1)
+    return target_logits - log_sum_exp, torch.zeros_like(target_logits), log_sum_exp
+
+
+def _logit_gradients(
+    scaled: torch.Tensor,
+    targets: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    entropies: torch.Tensor | None,
+    grad_logprobs: torch.Tensor,
+    grad_entropies: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """d loss / d logits [N, C] of one chunk of C vocabulary columns, given the scaled logits z = logits / T of those
+    columns, each row's log-sum-exp over the whole vocabulary and the loss's gradients of the log-probs (g) and the
+    entropies (h). With p = softmax(z) and log p = z - lse: d log p_t / d z_v = [v = t] - p_v and
+    d H / d z_v = -p_v (log p_v + H), each divided by T. `targets` are counted from the chunk's first column."""
+    log_p = scaled.sub_(log_sum_exp[:, None])  # in place, as the rest: each [N, C] tensor made is a page-faulted one
+    if grad_entropies is None:
+        grad = log_p.exp_().mul_(-grad_logprobs[:, None])
+    else:
+        p = log_p.exp()
+        grad = p * -grad_logprobs[:, None]
+        grad -= p.mul_(log_p.add_(entropies[:, None])).mul_(grad_entropies[:, None])
+    inside = (targets >= 0) & (targets < grad.shape[1])
+    rows = inside.nonzero().squeeze(-1)
+    grad[rows, targets[rows]] += grad_logprobs[rows]
+    return grad if temperature == 1.0 else grad.div_(temperature)
 
 
 class _CastLinear:
     """x -> linear(x, weight, bias) with all three in `dtype`, as autocast computes a Linear; the cast weight and
-    bias are made once, as leaves (`leaves`) that require grad where `wanted` says, for backward to differentiate."""
+    bias are made once."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wanted: tuple[bool, ...] = ()
-    ) -> None:
-        want_weight, want_bias = (*wanted, False, False)[:2]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.weight = weight.detach().to(dtype).requires_grad_(want_weight)
-        self.bias = None if bias is None else bias.detach().to(dtype).requires_grad_(want_bias)
-        self.leaves = [self.weight, self.bias]
+        self.weight = weight.detach().to(dtype)
+        self.bias = None if bias is None else bias.detach().to(dtype)
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(states.to(self.dtype), self.weight, self.bias)
