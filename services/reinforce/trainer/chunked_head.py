@@ -196,9 +196,9 @@ class _ChunkedLinearHead(torch.autograd.Function):
         grad_logprobs, grad_entropies = (*grads, None)[:2]
         head = _CastLinear(weight, bias, ctx.dtype)
         x = states.detach().to(ctx.dtype)
-        grad_x = torch.zeros(states.shape, dtype=torch.promote_types(ctx.dtype, torch.float32))
-        grad_weight = torch.empty(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32))
-        grad_bias = None if bias is None else torch.empty(bias.shape, dtype=grad_weight.dtype)
+        grad_x = states.new_zeros(states.shape, dtype=torch.promote_types(ctx.dtype, torch.float32))
+        grad_weight = weight.new_empty(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_bias = None if bias is None else bias.new_empty(bias.shape, dtype=grad_weight.dtype)
         columns = max(1, ctx.logits_budget // max(1, states.shape[0]))
         with torch.autocast(states.device.type, enabled=False):
             for start in range(0, weight.shape[0], columns):
