@@ -378,7 +378,10 @@ def test_kubectl_scale_mid_run_trains_every_step_once(chart_installed: Cluster) 
     succeeds with every step trained once, and the status follows the generators."""
     cluster = chart_installed
     folders = persistent_volumes(cluster, "elastic")
-    apply_run(cluster, "elastic", **{"training.checkpointEvery": 5})
+    # Long enough for two generator pods to start: at the tiny example's 30 steps, CI saw the run end before
+    # they were ready (21 steps in under a minute), so the scale-out could never be seen.
+    steps = 4 * STEPS
+    apply_run(cluster, "elastic", **{"training.checkpointEvery": 5, "training.steps": steps})
     for replicas, at_step in ((3, 4), (1, 14)):
         wait_for_status(cluster, "elastic", lambda s, n=at_step: (s.get("step") or 0) >= n, f"step {at_step}")
         cluster.kubectl("-n", RUNS, "scale", "rr/elastic", "--replicas", str(replicas))
@@ -387,10 +390,10 @@ def test_kubectl_scale_mid_run_trains_every_step_once(chart_installed: Cluster) 
             return status.get("generatorReplicas") == r and status.get("generatorsReady") == f"{r}/{r}"
 
         status = wait_for_status(cluster, "elastic", scaled, f"{replicas} generators")
-        assert (status.get("step") or 0) < STEPS, "the run ended before the scaling could be seen"
+        assert (status.get("step") or 0) < steps, "the run ended before the scaling could be seen"
     final = wait_for_status(cluster, "elastic", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
-    assert final["publishedWeightVersion"] == STEPS
-    assert_each_step_trained_once(folders["elastic-data"] / "run", STEPS)
+    assert final["publishedWeightVersion"] == steps
+    assert_each_step_trained_once(folders["elastic-data"] / "run", steps)
     delete_run_and_its_children(cluster, "elastic")
 
 
