@@ -120,3 +120,27 @@ def test_a_malformed_validation_group_is_dead_lettered_and_its_prompt_enqueued_a
     [(_, letter)] = client.xrange(queue.deadletter_key)
     assert b"outside the vocabulary" in letter[b"reason"] and letter[b"stream"] == queue.validation_key.encode()
     assert [p.id for _, p in queue.read_prompts("g", count=10, block_ms=0)] == [prompt.id]
+
+
+def test_groups_whose_delivery_was_lost_are_read_back(redis_url):
+    """A read delivered a group to the trainer's consumer but its reply never arrived (CI: Redis killed and
+    restarted during a blocking read): it stays pending to that consumer, and the step collects it all the same,
+    without taking a group it already holds (an early one) for a duplicate."""
+    client = redis.Redis.from_url(redis_url)
+    queue = RolloutQueue(client, "checked")
+    queue.ensure_groups()
+    reader = collector(queue)
+    queue.put_rollout(group("5-0", step=5, version=5))
+    client.xreadgroup("trainer", "trainer-0", {queue.rollouts_key: ">"}, count=1)  # "5-0", its reply lost
+    queue.put_rollout(group("6-0", step=6, version=5))  # early: held for step 6
+    queue.put_rollout(group("5-1", step=5, version=5))
+
+    collected: list = []
+    read = threading.Thread(target=lambda: collected.append(reader.read_groups(5)), daemon=True)
+    read.start()
+    read.join(timeout=30)
+    assert collected, "the step waited for a group that was delivered and lost"
+    _, groups = collected[0]
+    assert [g.prompt_id for g in groups] == ["5-0", "5-1"]
+    assert list(reader.early) == ["6-0"]
+    assert client.xpending(queue.rollouts_key, "trainer")["pending"] == 3, "a held group was acknowledged away"

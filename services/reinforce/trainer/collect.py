@@ -91,10 +91,19 @@ class GroupCollector:
                 raise SystemExit(0)
             wanted = share - len(groups)
             self.queue.restore_published_weights()  # garbage in the weights key would hold every generator
-            for entry_id, group in self.queue.read_rollouts(self.consumer, count=wanted, block_ms=1000):
+            arrived = self.queue.read_rollouts(self.consumer, count=wanted, block_ms=1000)
+            for entry_id, group in arrived or self.lost_deliveries(groups):
                 self.sort_group(step, order, groups, entry_id, group)
         ordered = sorted(groups.values(), key=lambda e: order[e[1].prompt_id])
         return [entry_id for entry_id, _ in ordered], [group for _, group in ordered]
+
+    def lost_deliveries(self, groups: dict) -> list[tuple[str, RolloutGroup]]:
+        """Groups delivered to this trainer that it holds nowhere. A blocking read whose reply was lost (Redis
+        killed and restarted while it waited: the retried read found the groups already delivered) leaves them
+        pending to this consumer, and reading new entries never returns them again: the step would wait forever."""
+        held = {entry_id for entry_id, _ in (*groups.values(), *self.early.values())}
+        pending = self.queue.read_rollouts(self.consumer, count=100_000, block_ms=0, pending=True)
+        return [(entry_id, group) for entry_id, group in pending if entry_id not in held]
 
     def sort_group(self, step: int, order: dict[str, int], groups: dict, entry_id: str, group: RolloutGroup) -> None:
         lag_limit = self.spec.algorithm.max_policy_lag
