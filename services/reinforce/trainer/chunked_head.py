@@ -87,14 +87,7 @@ def head_outputs(
     entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unchunked formula: log_softmax of the logits / temperature at each target [n], entropy [n] if asked."""
-    return logit_outputs(head(states), targets, temperature, entropy)
-
-
-def logit_outputs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`head_outputs` from the head's logits [n, V]."""
-    log_softmax = torch.log_softmax(temperature_scaled(logits, temperature), dim=-1)
+    log_softmax = torch.log_softmax(temperature_scaled(head(states), temperature), dim=-1)
     picked = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
     return picked, token_entropy(log_softmax) if entropy else None
 
