@@ -108,9 +108,9 @@ def test_a_malformed_validation_group_is_dead_lettered_and_its_prompt_enqueued_a
     validator.start(0)
     [(_, prompt)] = queue.read_prompts("g", count=10, block_ms=0)
 
-    def answer(token: int) -> RolloutGroup:
+    def answer(token: int, version: int = 0) -> RolloutGroup:
         sample = Sample(token_ids=[token], logprobs=[-1.0], reward=1.0, is_end=True)
-        return RolloutGroup(prompt_id=prompt.id, step=0, policy_version=0, prompt_text=prompt.text,
+        return RolloutGroup(prompt_id=prompt.id, step=version, policy_version=version, prompt_text=prompt.text,
                             prompt_token_ids=prompt.token_ids, samples=[sample], kind=prompt.kind)  # fmt: skip
 
     client.xadd(queue.validation_key, {DATA_FIELD: answer(1_000_000).SerializeToString()})
@@ -120,6 +120,21 @@ def test_a_malformed_validation_group_is_dead_lettered_and_its_prompt_enqueued_a
     [(_, letter)] = client.xrange(queue.deadletter_key)
     assert b"outside the vocabulary" in letter[b"reason"] and letter[b"stream"] == queue.validation_key.encode()
     assert [p.id for _, p in queue.read_prompts("g", count=10, block_ms=0)] == [prompt.id]
+
+    # The next evaluation's group is delivered to the validator's consumer and the reply lost (Redis restarted
+    # during the blocking read): it is read back from the pending entries, not waited for forever.
+    queue.ack_validation([entry_id for entry_id, _ in client.xrange(queue.validation_key)])
+    validator.start(1)
+    [(_, prompt)] = queue.read_prompts("g", count=10, block_ms=0)
+    client.xadd(queue.validation_key, {DATA_FIELD: answer(6, version=1).SerializeToString()})
+    client.xreadgroup("trainer", "trainer-0", {queue.validation_key: ">"}, count=1)
+    collected: list = []
+    wait = threading.Thread(target=lambda: collected.append(validator.wait_for_groups(1)), daemon=True)
+    wait.start()
+    wait.join(timeout=30)
+    assert collected, "the evaluation waited for a group that was delivered and lost"
+    groups, entry_ids = collected[0]
+    assert [list(g.samples[0].token_ids) for g in groups] == [[6]] and len(entry_ids) == 1
 
 
 def test_groups_whose_delivery_was_lost_are_read_back(redis_url):

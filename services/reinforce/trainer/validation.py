@@ -136,7 +136,8 @@ class Validator:
         while len(groups) < len(wanted):
             if self.stopping.is_set():
                 raise SystemExit(0)
-            for entry_id, group in self.queue.read_validation(self.consumer, count=len(wanted), block_ms=1000):
+            arrived = self.queue.read_validation(self.consumer, count=len(wanted), block_ms=1000)
+            for entry_id, group in arrived or self.lost_deliveries(entry_ids):
                 if group.prompt_id in wanted and group.policy_version == version and self.refused(entry_id, group):
                     continue
                 entry_ids.append(entry_id)
@@ -147,6 +148,12 @@ class Validator:
         for prompt_id in wanted:
             self.enqueued.pop(prompt_id, None)
         return sorted(groups.values(), key=lambda g: wanted[g.prompt_id]), entry_ids
+
+    def lost_deliveries(self, read: list[str]) -> list[tuple[str, RolloutGroup]]:
+        """Validation groups delivered to this consumer whose reply never arrived (Redis restarted during the
+        blocking read): reading new entries never returns them again (as trainer/collect.py's lost_deliveries)."""
+        pending = self.queue.read_validation(self.consumer, count=100_000, block_ms=0, pending=True)
+        return [(entry_id, group) for entry_id, group in pending if entry_id not in read]
 
     def refused(self, entry_id: str, group: RolloutGroup) -> bool:
         """Dead-letter a validation group that cannot be scored (trainer/group_check.py) and enqueue its prompt
