@@ -1,4 +1,5 @@
-"""CPU threads from the affinity, a fake cgroup's quota and the explicit setting; the supervisor's shares."""
+"""CPU threads from the affinity, a fake cgroup's quota and the explicit setting; the supervisor's shares and how
+its children's OpenMP threads wait."""
 
 from pathlib import Path
 
@@ -6,7 +7,7 @@ import pytest
 
 from reinforce.core.spec import parse_spec
 from reinforce.core.threads import THREADS_ENV, cgroup_cpu_quota, thread_count, usable_cpus
-from reinforce.supervisor.children import ThreadShares, thread_shares
+from reinforce.supervisor.children import Children, ThreadShares, thread_shares
 
 MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
 
@@ -74,3 +75,29 @@ def test_supervisor_shares_cores_between_processes_busy_together(sections: dict,
 def test_one_core_is_never_zero_threads():
     spec = parse_spec({**MINIMAL, "algorithm": {"max_policy_lag": 1}, "generation": {"num_generators": 3}})
     assert thread_shares(spec, 1) == ThreadShares(1, 1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"algorithm": {"max_policy_lag": 1}},
+        {"generation": {"num_generators": 2}},
+        {"training": {"num_ranks": 2}},
+        {"algorithm": {"name": "ppo"}},
+        {"reward": {"type": "hf_classifier", "path": "rm"}},
+        {"environment": {"enabled": True}},
+    ],
+)
+def test_children_wait_passively_where_processes_compute_together(sections: dict, monkeypatch, tmp_path: Path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    spec = parse_spec({**MINIMAL, "run_dir": str(tmp_path), **sections})
+    assert Children(spec).env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_children_spin_before_sleeping_where_processes_take_turns(monkeypatch, tmp_path: Path):
+    """libgomp's default (no OMP_WAIT_POLICY): waiting threads spin a while, then sleep. A user's own setting wins."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    spec = parse_spec({**MINIMAL, "run_dir": str(tmp_path)})
+    assert "OMP_WAIT_POLICY" not in Children(spec).env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert Children(spec).env["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -21,8 +21,10 @@ from pathlib import Path
 THREADS_ENV = "REINFORCE_NUM_THREADS"
 # OpenMP threads that wait sleep instead of spinning. On a core shared with another busy process, spinning turns
 # every barrier into a contest: with one of 2 cores busy, a bf16 step on SmolLM2 took 84-160 s instead of 14 s;
-# with PASSIVE 25 s, and nothing measurable on a quiet machine. The OpenMP runtime reads it when it loads, so it is
-# put in each service's environment before the process starts (the supervisor's children, the operator's pods).
+# with PASSIVE 25 s. On a quiet machine sleeping costs a wake-up at every parallel region, so a local run whose
+# processes take turns leaves libgomp's default instead (supervisor/children.py, openmp_environment). The OpenMP
+# runtime reads it when it loads, so it is put in a service's environment before the process starts (the
+# operator's pods, the supervisor's children where they compute together).
 OPENMP_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # in a container: its own cgroup (cgroup namespace)
 

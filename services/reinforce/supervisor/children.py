@@ -81,6 +81,28 @@ def thread_shares(spec: RunSpec, cpus: int) -> ThreadShares:
     )
 
 
+def processes_take_turns(spec: RunSpec) -> bool:
+    """Whether the run's processes compute one at a time: on-policy, one generator, one trainer rank, no critic
+    training beside it, no reward model scoring beside the generator and no tool sandbox. (An evaluation's scoring,
+    data.validation_prompts, overlaps the next step's sampling for the length of a forward pass: not counted.)"""
+    return (
+        spec.algorithm.max_policy_lag == 0
+        and spec.generation.num_generators == 1
+        and spec.training.num_ranks == 1
+        and spec.algorithm.name != "ppo"
+        and spec.reward.type != "hf_classifier"
+        and not spec.environment.enabled
+    )
+
+
+def openmp_environment(spec: RunSpec) -> dict[str, str]:
+    """How the children's OpenMP threads wait. Where the run's processes take turns, as libgomp does by default:
+    spinning a few milliseconds before sleeping, so the next parallel region starts at once. Anywhere else
+    OPENMP_ENVIRONMENT's PASSIVE: a thread spinning on a core another busy process needs slows both many times
+    (docs/concepts.md has both measurements)."""
+    return {} if processes_take_turns(spec) else OPENMP_ENVIRONMENT
+
+
 class Children:
     """Starts a run's child processes, remembers them (`components`, in start order) and stops them."""
 
@@ -88,7 +110,7 @@ class Children:
         self.spec = spec
         self.paths = RunPaths(spec.resolved_run_dir())
         self.components: list[Component] = []
-        self.env = {**OPENMP_ENVIRONMENT, **os.environ, "PYTHONUNBUFFERED": "1"}  # a user's own OMP settings win
+        self.env = {**openmp_environment(spec), **os.environ, "PYTHONUNBUFFERED": "1"}  # a user's own OMP settings win
         # Secrets reach only the services that use them (launch.Service.credentials), never every child; one random
         # token per capability, so a generator cannot drive the critic. The Redis URL is added once Redis runs.
         for name in CREDENTIALS:
