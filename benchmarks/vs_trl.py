@@ -400,7 +400,9 @@ def render(results: dict) -> str:
         "",
         "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
         "settings: " + _settings_text(results["runs"]) + "; `the defaults` sets nothing (generation.engine auto "
-        "chose vLLM, training.precision auto bf16). Load: the mean 1-minute load average while the run ran (2 usable "
+        "chose vLLM, training.precision auto bf16). In every `reinforce run` row the run's processes take turns, so "
+        "their OpenMP threads spin before they sleep (docs/concepts.md, CPU threads). Load: the mean 1-minute load "
+        "average while the run ran (2 usable "
         "CPUs: above 2, other work competed for them).",
         "",
         "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
