@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import redis
 
@@ -42,6 +43,16 @@ def collector(queue: RolloutQueue) -> GroupCollector:
         return Prompt(id=g.prompt_id, step=g.step, token_ids=g.prompt_token_ids, text=g.prompt_text)
 
     return GroupCollector(SPEC, queue, "trainer-0", Ranks(), prompt_of, lambda _: None, LIMITS, threading.Event())
+
+
+def within_seconds(seconds: float, call: Callable[[], object]) -> list:
+    """[call()] if it returns within `seconds`, else [] (a daemon thread: a call that waits forever fails the test
+    without holding it)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    return result
 
 
 def test_malformed_groups_are_dead_lettered_with_their_reason_and_their_prompts_enqueued_again(redis_url):
@@ -128,10 +139,7 @@ def test_a_malformed_validation_group_is_dead_lettered_and_its_prompt_enqueued_a
     [(_, prompt)] = queue.read_prompts("g", count=10, block_ms=0)
     client.xadd(queue.validation_key, {DATA_FIELD: answer(6, version=1).SerializeToString()})
     client.xreadgroup("trainer", "trainer-0", {queue.validation_key: ">"}, count=1)
-    collected: list = []
-    wait = threading.Thread(target=lambda: collected.append(validator.wait_for_groups(1)), daemon=True)
-    wait.start()
-    wait.join(timeout=30)
+    collected = within_seconds(30, lambda: validator.wait_for_groups(1))
     assert collected, "the evaluation waited for a group that was delivered and lost"
     groups, entry_ids = collected[0]
     assert [list(g.samples[0].token_ids) for g in groups] == [[6]] and len(entry_ids) == 1
@@ -150,10 +158,7 @@ def test_groups_whose_delivery_was_lost_are_read_back(redis_url):
     queue.put_rollout(group("6-0", step=6, version=5))  # early: held for step 6
     queue.put_rollout(group("5-1", step=5, version=5))
 
-    collected: list = []
-    read = threading.Thread(target=lambda: collected.append(reader.read_groups(5)), daemon=True)
-    read.start()
-    read.join(timeout=30)
+    collected = within_seconds(30, lambda: reader.read_groups(5))
     assert collected, "the step waited for a group that was delivered and lost"
     _, groups = collected[0]
     assert [g.prompt_id for g in groups] == ["5-0", "5-1"]
