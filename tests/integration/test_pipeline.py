@@ -43,6 +43,7 @@ def test_tiny_run_learns(tmp_path, training):
     assert "generation engine torch (float32; auto: vLLM's CPU attention does not run the policy's head size 16)" in (
         result.stdout
     )
+    assert "Writing model shards" not in result.stdout + result.stderr  # "preparing the initial policy" says it
     paths = RunPaths(tmp_path / "run")
     rows = read_metrics(paths.metrics)
     assert [r["step"] for r in rows] == list(range(1, 31))

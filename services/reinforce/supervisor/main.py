@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
+from transformers.utils import logging as transformers_logging
 
 from reinforce.core.data import DataError, read_prompt_file
 from reinforce.core.optional import MissingPackage, require_backend, require_engine
@@ -67,6 +68,7 @@ def resolve_spec(spec: RunSpec, spec_file: Path) -> RunSpec:
 def run_command(args: argparse.Namespace) -> int:
     """`reinforce run`: the exit code (0 done, 1 a component failed, 2 a bad spec or prompt file, 130 Ctrl-C)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    transformers_logging.disable_progress_bar()  # the policy's loading and writing: one line says so instead
     try:
         return _run(args)
     except RunFailed as err:
