@@ -10,10 +10,9 @@ configuration runs in a fresh process, as a trainer would: it loads the policy a
 REINFORCE steps on the same batch. Printed and saved (benchmarks/results/long_responses.json, then BENCHMARKS.md):
 the median seconds per step (the first step, which allocates AdamW's state, left out), the process's peak resident
 memory over its whole life (VmHWM: what a pod's memory limit meets), and that peak above the resident memory once
-the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget); `tokens
-(micro_batch_tokens 4096), malloc` the new one (training.allocator system); beside them, with training.allocator
-jemalloc, the same budget, a budget of 3072 tokens (what the 32-token batch holds: both lengths then fill equal
-micro-batches), and the budget with training.gradient_checkpointing on.
+the models were loaded. `count` is the old default (micro_batch_prompts 2, no token budget); `tokens 4096` the
+budget before it was lowered; then the defaults (training.micro_batch_tokens, training.allocator system), the same
+budget with training.allocator jemalloc, and with training.gradient_checkpointing on.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from sections import write_section
 
 from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
-from reinforce.core.spec import RunSpec, load_spec
+from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
 from reinforce.trainer.algorithms import build_algorithm
 from reinforce.trainer.allocator import use_allocator
 from reinforce.trainer.backends import build_backend
@@ -48,21 +47,22 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "long_responses.json"
 HEADING = "## Long responses: micro-batches by count and by token budget"
 RESPONSE_LENGTHS = (32, 512)
-TOKENS = {"micro_batch_prompts": None, "micro_batch_tokens": 4096}
+DEFAULTS = TrainingSpec()
+TOKENS = {"micro_batch_prompts": None, "micro_batch_tokens": DEFAULTS.micro_batch_tokens}
 CONFIGS = {
     "count (micro_batch_prompts 2), malloc": {
         "micro_batch_prompts": 2,
         "micro_batch_tokens": None,
         "allocator": "system",
     },
-    "tokens (micro_batch_tokens 4096), malloc": {**TOKENS, "allocator": "system"},
-    "tokens (micro_batch_tokens 4096), jemalloc": {**TOKENS, "allocator": "jemalloc"},
-    "tokens 3072 (the 32-token batch's size), jemalloc": {
+    "tokens 4096, malloc": {**TOKENS, "micro_batch_tokens": 4096, "allocator": "system"},
+    f"tokens {DEFAULTS.micro_batch_tokens}, malloc (the defaults)": {**TOKENS, "allocator": DEFAULTS.allocator},
+    f"tokens {DEFAULTS.micro_batch_tokens}, jemalloc": {**TOKENS, "allocator": "jemalloc"},
+    f"tokens {DEFAULTS.micro_batch_tokens} + gradient checkpointing, malloc": {
         **TOKENS,
-        "micro_batch_tokens": 3072,
-        "allocator": "jemalloc",
+        "gradient_checkpointing": True,
+        "allocator": "system",
     },
-    "tokens + gradient checkpointing, jemalloc": {**TOKENS, "gradient_checkpointing": True, "allocator": "jemalloc"},
 }
 
 

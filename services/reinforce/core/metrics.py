@@ -68,9 +68,10 @@ STEP_METRICS: dict[str, str] = {
     "or infinite (the weights stay as they were; the learning-rate schedule advances).",
     "train_optim/skipped_empty_steps": "1 when the step was skipped because every sample was dropped (no finite "
     "reward), else 0.",
-    "train_batch/padding_fraction": "Fraction of the tokens computed on that were padding, in the step's "
+    "train_batch/padding_fraction": "Fraction of the tokens the forward computes that were padding, in the step's "
     "micro-batches (reinforce: its training pass; ppo: its reference and old log-prob pass).",
-    "train_batch/tokens_per_micro_batch": "Mean padded tokens (prompt + response) per micro-batch of that pass.",
+    "train_batch/tokens_per_micro_batch": "Mean tokens the forward computes per micro-batch of that pass "
+    "(as training.micro_batch_tokens counts them).",
     "train_batch/micro_batches": "Micro-batches of that pass (training.micro_batch_tokens, micro_batch_prompts).",
     "train_memory/peak_rss_gib": "Peak resident memory of the trainer process during the step's update, GiB "
     "(Linux: VmHWM, reset before each step; elsewhere the process's peak so far).",

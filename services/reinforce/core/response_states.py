@@ -34,7 +34,7 @@ def response_states(
     """
     check_sequences(prompt_ids, response_ids)
     device = next(body.parameters()).device
-    prompts, prompt_of_row = _distinct_runs(prompt_ids)
+    prompts, prompt_of_row = distinct_runs(prompt_ids)
     prompt_of_row = torch.tensor(prompt_of_row, dtype=torch.long, device=device)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
 
@@ -71,7 +71,7 @@ def response_states(
     return states[:, : mask.shape[1]][mask.bool()], targets, mask
 
 
-def _distinct_runs(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+def distinct_runs(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     """The prompts with each run of equal neighbours once, and the index of each row's prompt among them."""
     prompts: list[list[int]] = []
     prompt_of_row = []

@@ -549,12 +549,15 @@ class TrainingSpec(_Section):
         "and the trainer does not drive them yet.",
     )
     micro_batch_tokens: int | None = Field(
-        4096,
+        2048,
         ge=1,
-        description="Padded tokens (prompt + response) per forward/backward of every pass (reference, log-probs, "
-        "training); gradients accumulate. Sequences are packed longest first; a sequence (or a group, where the "
-        "advantage estimator needs whole groups) longer than the budget goes alone. Activation memory grows with the "
-        "padded tokens, so a fixed budget keeps a step's peak memory flat as responses grow. null: no token limit.",
+        description="Tokens per forward/backward of every pass (reference, log-probs, training), counted as the "
+        "forward computes them: on the torch backend each run of equal prompts (a group's k samples) once, padded to "
+        "the longest prompt, plus every response padded to the longest; on megatron every row's prompt + response, "
+        "padded. Gradients accumulate. Sequences are packed longest first; a sequence (or a group, where the "
+        "advantage estimator needs whole groups) over the budget goes alone. Activation memory grows with these "
+        "tokens, so a fixed budget keeps a step's peak memory flat as responses grow; a GPU with memory to spare "
+        "runs larger budgets faster. null: no token limit.",
     )
     micro_batch_prompts: int | None = Field(
         None,

@@ -208,7 +208,9 @@ class PPO(Algorithm):
         old, ref, masks = [], [], []
         timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
         k = alg.num_rollouts_per_prompt
-        parts = micro_batches(prompt_ids, response_ids, self.spec.training, k, whole_groups=False)
+        parts = micro_batches(
+            prompt_ids, response_ids, self.spec.training, k, whole_groups=False, shares_prompts=backend.shares_prompts
+        )
         for part in parts:
             ref_start = time.perf_counter()
             ref.append(backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature))
@@ -306,7 +308,14 @@ class PPO(Algorithm):
         sums = dict.fromkeys(("loss", "ppo_ratio", "ppo_ratio_clamped", "ppo_clip_fraction", "entropy"), 0.0)
         prompts = [rollout.prompt_ids[i] for i in rows]
         responses = [rollout.response_ids[i] for i in rows]
-        for piece in micro_batches(prompts, responses, t, alg.num_rollouts_per_prompt, whole_groups=False):
+        for piece in micro_batches(
+            prompts,
+            responses,
+            t,
+            alg.num_rollouts_per_prompt,
+            whole_groups=False,
+            shares_prompts=backend.shares_prompts,
+        ):
             part = rows[piece.rows]
             logprobs, entropy, mask = backend.policy_logprobs_and_entropy(
                 piece.prompt_ids, piece.response_ids, temperature

@@ -240,7 +240,9 @@ class Reinforce(Algorithm):
         advantages_abs, mismatch, weights, clipped = TokenStats(), TokenStats(), TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
         kl, advantage_means = torch.zeros(batch.keep.numel()), torch.zeros(batch.keep.numel())
-        parts = micro_batches(*token_lists(batch.groups), t, k, whole_groups=True)
+        parts = micro_batches(
+            *token_lists(batch.groups), t, k, whole_groups=True, shares_prompts=backend.shares_prompts
+        )
         for part in parts:
             rows = part.groups(k)
             if whole_batch is None:
@@ -339,7 +341,9 @@ class Reinforce(Algorithm):
         """The advantages of every sample of the step ([B, T] over the whole batch), and the reference's seconds."""
         temperature, k = self.spec.generation.temperature, self.spec.algorithm.num_rollouts_per_prompt
         logprobs, ref_logprobs, masks, ref_seconds = [], [], [], 0.0
-        parts = micro_batches(*token_lists(batch.groups), self.spec.training, k, whole_groups=False)
+        parts = micro_batches(
+            *token_lists(batch.groups), self.spec.training, k, whole_groups=False, shares_prompts=backend.shares_prompts
+        )
         for part in parts:
             ref_start = time.perf_counter()
             ref_logprobs.append(backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature))

@@ -35,6 +35,10 @@ class TrainerBackend(ABC):
     # True: the state is split over the processes, each saves and loads its part (save_state is called on every
     # process); False: the main process saves the whole state.
     sharded: ClassVar[bool] = False
+    # True: a log-prob pass runs each run of equal prompts (a group's k samples) through the model once, then the
+    # responses after its keys and values (core/response_states.py); False: every row's prompt + response, padded.
+    # The token budget (training.micro_batch_tokens) counts what the forward computes.
+    shares_prompts: ClassVar[bool] = True
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     skipped_nonfinite_steps = 0  # optimizer steps skipped for a non-finite gradient norm, in this process's life

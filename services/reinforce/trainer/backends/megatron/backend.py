@@ -41,6 +41,7 @@ from reinforce.trainer.distributed import Ranks
 class MegatronBackend(TrainerBackend):
     name = "megatron"
     sharded = True
+    shares_prompts = False  # model._response_states runs every row's whole sequence
 
     def __init__(self, training: TrainingSpec, policy_dir: Path, ranks: Ranks) -> None:
         self.training = training
