@@ -553,10 +553,10 @@ class TrainingSpec(_Section):
         ge=1,
         description="Tokens per forward/backward of every pass (reference, log-probs, training), counted as the "
         "forward computes them: on the torch backend each run of equal prompts (a group's k samples) once, padded to "
-        "the longest prompt, plus every response padded to the longest; on megatron every row's prompt + response, "
-        "padded. Gradients accumulate. Sequences are packed longest first; a sequence (or a group, where the "
-        "advantage estimator needs whole groups) over the budget goes alone. Activation memory grows with these "
-        "tokens, so a fixed budget keeps a step's peak memory flat as responses grow; a GPU with memory to spare "
+        "the longest prompt, plus every response but its last token, padded to the longest; on megatron every row's "
+        "prompt + response, padded. Gradients accumulate. Sequences are packed longest first; a sequence (or a group, "
+        "where the advantage estimator needs whole groups) over the budget goes alone. Activation memory grows with "
+        "these tokens, so a fixed budget keeps a step's peak memory flat as responses grow; a GPU with memory to spare "
         "runs larger budgets faster. null: no token limit.",
     )
     micro_batch_prompts: int | None = Field(

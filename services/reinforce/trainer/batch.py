@@ -125,8 +125,8 @@ def micro_batches(
     `whole_groups` (the group estimators need a group's samples together). Units (groups or sequences) are packed
     longest first, so that sequences of similar lengths share a micro-batch and little is padding; a unit over the
     budget goes alone. A micro-batch holds its sequences in the order given (prompt-major), so that a prompt's
-    samples sit next to each other and a backend that shares prompts runs the prompt once. Every sequence is in exactly one
-    micro-batch, so the step's gradient is the same whatever the packing."""
+    samples sit next to each other and a backend that shares prompts runs the prompt once. Every sequence is in
+    exactly one micro-batch, so the step's gradient is the same whatever the packing."""
     size = k if whole_groups else 1
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
     units = [range(start, start + size) for start in range(0, len(lengths), size)]
