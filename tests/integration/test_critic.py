@@ -22,7 +22,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from reinforce.core.checkpoints import checkpoint_step, list_checkpoints
-from reinforce.core.critic_api import Minibatch
+from reinforce.core.critic_api import Minibatch, TrainRequest, ValuesRequest
 from reinforce.core.names import CRITIC_TOKEN_ENV
 from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.spec import CriticSpec, PolicySpec, RandomInit, dump_spec, parse_spec
@@ -50,9 +50,10 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def config(policy_dir: Path, tmp_path: Path) -> CriticConfig:
-    # a learning rate that moves a tiny model visibly in a few steps; micro-batches of 2 so they are exercised
+    # a learning rate that moves a tiny model visibly in a few steps; a token budget that splits PROMPTS and RESPONSES
+    # into micro-batches, so that they are exercised
     return CriticConfig(
-        model=policy_dir, checkpoints=tmp_path / "checkpoints", critic=CriticSpec(lr=1e-2, micro_batch_size=2)
+        model=policy_dir, checkpoints=tmp_path / "checkpoints", critic=CriticSpec(lr=1e-2, micro_batch_tokens=8)
     )
 
 
@@ -145,6 +146,25 @@ def test_training_on_a_fixed_target_lowers_the_critic_loss(config: CriticConfig)
     # V = 0 and R = 1 everywhere at first: 0.5 * 1^2
     assert losses[0] == pytest.approx(0.5)
     assert losses[-1] < 0.25 * losses[0], losses
+
+
+def test_micro_batches_by_token_budget_give_the_values_and_step_of_one_batch(config: CriticConfig) -> None:
+    """critic.micro_batch_tokens 8 splits the rows three ways, packed longest first (the values come back in the
+    request's order); unlimited, they are one forward. The values and the step's weights agree."""
+    assert [p.rows.tolist() for p in Critic(config)._micro_batches(PROMPTS, RESPONSES)] == [[2], [0], [1]]
+    whole = replace(config, critic=config.critic.model_copy(update={"micro_batch_tokens": None}))
+    critics = [Critic(config), Critic(whole)]
+    assert len(critics[1]._micro_batches(PROMPTS, RESPONSES)) == 1
+    values, weights = [], []
+    for critic in critics:
+        randomize_head(critic)
+        values.append(critic.values(ValuesRequest(prompt_token_ids=PROMPTS, response_token_ids=RESPONSES)).values)
+        critic.train(TrainRequest(minibatches=[minibatch(PROMPTS, RESPONSES, 1.0, values[-1])]))
+        weights.append(torch.cat([p.detach().flatten() for p in critic.model.parameters()]))
+    assert [len(v) for v in values[0]] == [3, 0, 5]
+    for split, one in zip(values[0], values[1], strict=True):
+        assert split == pytest.approx(one, abs=1e-6)
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-6)
 
 
 def test_one_optimizer_step_per_minibatch(config: CriticConfig) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from reinforce.core.packing import MicroBatch, packing_metrics
 from reinforce.core.response_states import response_states
 from reinforce.core.spec import TrainingSpec
-from reinforce.trainer.batch import MicroBatch, micro_batches, packing_metrics
+from reinforce.trainer.batch import micro_batches
 from reinforce.trainer.main import peak_rss_bytes, reset_peak_rss
 
 

@@ -362,7 +362,20 @@ class CriticSpec(_Section):
     value_clip: float = Field(
         0.2, ge=0, description="eps_v of the clipped value loss (NeMo-Aligner's loss_clip_val; 0: off)."
     )
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward and backward; gradients accumulate.")
+    micro_batch_tokens: int | None = Field(
+        2048,
+        ge=1,
+        description="Tokens per forward/backward of the value model, counted as training.micro_batch_tokens counts "
+        "them (each run of equal prompts once, padded to the longest prompt, plus every response but its last token, "
+        "padded to the longest); sequences are packed longest first, one over the budget goes alone, and gradients "
+        "accumulate. null: no token limit.",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many sequences per forward/backward, on top of micro_batch_tokens (null: the "
+        "token budget alone decides).",
+    )
     max_request_mb: float = Field(64.0, gt=0, description="Larger request bodies are refused (413) unread.")
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ from reinforce.core.critic_api import (
 )
 from reinforce.core.metrics import CriticMetrics
 from reinforce.core.optim import adamw
+from reinforce.core.packing import MicroBatch, pack
 from reinforce.critic.checkpoint import load_checkpoint, save_checkpoint, set_aside
 from reinforce.critic.checks import check_caps, check_ids
 from reinforce.critic.config import CriticConfig
@@ -34,10 +35,6 @@ log = logging.getLogger("reinforce.critic")
 
 class RestoreRefused(ValueError):
     """A restore that would take the critic behind the trainer's newest checkpoint: answered 409."""
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(start, start + size) for start in range(0, n, size)]
 
 
 def _padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
@@ -76,12 +73,17 @@ class Critic:
         check_caps(self.config, [request])
         check_ids(request, self.vocab_size)
         prompts, responses = request.prompt_token_ids, request.response_token_ids
-        out: list[list[float]] = []
+        out: list[list[float]] = [[] for _ in prompts]
         with self.lock, torch.no_grad():
-            for rows in _chunks(len(prompts), self.config.critic.micro_batch_size):
-                values, _ = response_values(self.model, prompts[rows], responses[rows])
-                out += [v[: len(r)].tolist() for v, r in zip(values.cpu(), responses[rows], strict=True)]
+            for part in self._micro_batches(prompts, responses):
+                values, _ = response_values(self.model, part.prompt_ids, part.response_ids)
+                for row, v, r in zip(part.rows.tolist(), values.cpu(), part.response_ids, strict=True):
+                    out[row] = v[: len(r)].tolist()
         return ValuesResponse(values=out)
+
+    def _micro_batches(self, prompts: list[list[int]], responses: list[list[int]]) -> list[MicroBatch]:
+        c = self.config.critic
+        return pack(prompts, responses, c.micro_batch_tokens, c.micro_batch_size)
 
     def train(self, request: TrainRequest) -> TrainResponse:
         check_caps(self.config, list(request.minibatches))
@@ -111,10 +113,11 @@ class Critic:
         num_tokens = sum(len(r) for r in responses)
         self.optimizer.zero_grad(set_to_none=True)
         loss, clipped_tokens = 0.0, 0.0
-        for rows in _chunks(len(prompts), c.micro_batch_size):
-            values, mask = response_values(self.model, prompts[rows], responses[rows])
-            returns = _padded(minibatch.returns[rows], values)
-            old_values = _padded(minibatch.old_values[rows], values)
+        for part in self._micro_batches(prompts, responses):
+            values, mask = response_values(self.model, part.prompt_ids, part.response_ids)
+            rows = part.rows.tolist()
+            returns = _padded([minibatch.returns[i] for i in rows], values)
+            old_values = _padded([minibatch.old_values[i] for i in rows], values)
             out = critic_loss(values, old_values, returns, mask, c.value_clip, num_tokens)
             out.loss.backward()
             loss += out.loss.item()

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from reinforce.core.critic_api import Minibatch
+from reinforce.core.packing import packing_metrics
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
@@ -57,7 +58,6 @@ from reinforce.trainer.batch import (
     generator_logprobs,
     in_order,
     micro_batches,
-    packing_metrics,
     prompt_index,
     token_lists,
 )

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from reinforce.core.packing import packing_metrics
 from reinforce.core.registry import AdvantageEstimator
 from reinforce.trainer.algorithms.advantages import (
     dr_grpo_advantages,
@@ -73,7 +74,6 @@ from reinforce.trainer.batch import (
     generator_logprobs,
     in_order,
     micro_batches,
-    packing_metrics,
     token_lists,
 )
 
