@@ -9,8 +9,10 @@ attention runs) keeps each test to a few seconds.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,13 @@ from reinforce.trainer.logprobs import response_logprobs
 pytest.importorskip("vllm", reason="vLLM is not installed (`make install` installs its CPU build)")
 
 from reinforce.generator.engines.base import SampledSequence
-from reinforce.generator.engines.vllm_engine import VLLMEngine
+from reinforce.generator.engines.vllm_engine import (
+    CPU_NORMS,
+    RELOAD_LOGGER,
+    WEIGHT_DTYPE_LOGGER,
+    ExpectedLoadWarnings,
+    VLLMEngine,
+)
 
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 20, 21, 22, 23]]
 SEEDS = [11, 12, 13]
@@ -156,11 +164,44 @@ def test_eos_ends_the_response_and_the_length_limit_does_not(
                 assert after.token_ids == before.token_ids[:cut] and after.is_end
 
 
+class Collected(logging.Handler):
+    """The messages a logger passed on, after its filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def vllm_loading_logs() -> Iterator[list[str]]:
+    collected = Collected()
+    loggers = [logging.getLogger(name) for name in (WEIGHT_DTYPE_LOGGER, RELOAD_LOGGER)]
+    for logger in loggers:
+        logger.addHandler(collected)
+    try:
+        yield collected.messages
+    finally:
+        for logger in loggers:
+            logger.removeHandler(collected)
+
+
 def test_refit_in_place_equals_a_fresh_engine(
     start: Callable[..., VLLMEngine], engine: VLLMEngine, policy: Path, tmp_path: Path
 ) -> None:
     model = load_policy(policy)
     tokenizer = load_tokenizer(policy)
+    with vllm_loading_logs() as logged:
+        refit_three_times(start, engine, model, tokenizer, tmp_path)
+    # a bfloat16 engine on float32 files, a tied head refitted: what vLLM warns about is what the engine meant
+    assert not [m for m in logged if "Failed to load weights" in m or "Attempted to load weight" in m], logged
+
+
+def refit_three_times(
+    start: Callable[..., VLLMEngine], engine: VLLMEngine, model: torch.nn.Module, tokenizer: object, tmp_path: Path
+) -> None:
     for version in (1, 2, 3):
         with torch.no_grad():
             for param in model.parameters():
@@ -173,6 +214,41 @@ def test_refit_in_place_equals_a_fresh_engine(
         tokenizer.save_pretrained(fresh_dir)
         fresh = start(fresh_dir, engine.generation)
         assert engine.sample(PROMPTS, SEEDS) == fresh.sample(PROMPTS, SEEDS), f"version {version}"
+
+
+def test_norms_run_vllms_compiled_cpu_kernels(engine: VLLMEngine) -> None:
+    """The engine's RMSNorms dispatch to vLLM's compiled CPU kernels, which agree with vLLM's own formula up to
+    bfloat16 rounding; a strided input falls back to that formula."""
+    from vllm import ir
+
+    for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
+        assert op.get_priority() == [CPU_NORMS, "native"]
+    generator = torch.Generator().manual_seed(0)
+    x, residual, weight = (torch.randn(shape, generator=generator) for shape in ((5, 64), (5, 64), (64,)))
+    x, residual, weight = x.bfloat16(), residual.bfloat16(), weight.bfloat16()
+    fused = ir.ops.fused_add_rms_norm
+    out, total = fused.impls[CPU_NORMS].impl_fn(x.clone(), residual.clone(), weight, 1e-5)
+    want_out, want_total = fused.impls["native"].impl_fn(x, residual, weight, 1e-5)
+    torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+    single = ir.ops.rms_norm.impls
+    torch.testing.assert_close(single[CPU_NORMS].impl_fn(x, weight, 1e-5), single["native"].impl_fn(x, weight, 1e-5),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+    assert not single[CPU_NORMS].supports_args(x.t(), weight, 1e-5)
+
+
+def test_only_the_loading_warnings_the_engine_means_are_dropped() -> None:
+    quiet = ExpectedLoadWarnings(narrowed_to=torch.bfloat16, weightless=frozenset({"RotaryEmbedding"}))
+
+    def passes(msg: str, *args: object) -> bool:
+        return quiet.filter(logging.LogRecord("vllm", logging.WARNING, __file__, 1, msg, args, None))
+
+    narrowed = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert not passes(narrowed, "embed_tokens.weight", torch.float32, torch.bfloat16)
+    assert passes(narrowed, "embed_tokens.weight", torch.float16, torch.bfloat16)
+    assert not passes("%s: Failed to load weights", "RotaryEmbedding")
+    assert passes("%s: Failed to load weights", "ParallelLMHead")  # an untied head has weights of its own to load
+    assert passes("Reloading weights inplace...")
 
 
 def test_a_file_that_does_not_fit_is_refused_and_the_old_weights_keep_serving(

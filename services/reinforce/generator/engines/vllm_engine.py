@@ -40,7 +40,9 @@ process-wide distributed state, which any other live engine uses.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -120,7 +122,10 @@ class VLLMEngine(GenerationEngine):
         self.max_lora_rank = None if lora is None else max_lora_rank(lora.rank)
         self._lora: LoRARequest | None = None  # the adapter every request carries; None: the base weights
         self._lora_loads = 0  # adapter ids: one per load, so that vLLM never mistakes a new version for a cached one
-        self._llm = _start_llm(self.policy_dir, dtype, self.max_model_len, kv_cache_bytes, config, self.max_lora_rank)
+        with _dropping(ExpectedLoadWarnings(narrowed_to=getattr(torch, dtype))):
+            self._llm = _start_llm(
+                self.policy_dir, dtype, self.max_model_len, kv_cache_bytes, config, self.max_lora_rank
+            )
         self._llm.collective_rpc("record_unfiltered_logprobs")
 
     def _sample(
@@ -263,7 +268,9 @@ class VLLMWorkerExtension:
         """Load a whole-policy safetensors file (Hugging Face names) into the running model, in place."""
         model = self.model_runner.get_model()
         dtypes = {name: param.dtype for name, param in model.named_parameters()}
-        self.reload_weights(weights_iterator=_cast(read_checkpoint(Path(path), tie_word_embeddings), dtypes))
+        weightless = frozenset({"RotaryEmbedding", "ParallelLMHead"} if tie_word_embeddings else {"RotaryEmbedding"})
+        with _dropping(ExpectedLoadWarnings(weightless=weightless)):
+            self.reload_weights(weights_iterator=_cast(read_checkpoint(Path(path), tie_word_embeddings), dtypes))
         lm_head = getattr(model, "lm_head", None)
         if tie_word_embeddings and lm_head is not None:
             # On CPU the head multiplies with its own packed copy of the embedding, made after loading. vLLM's
@@ -280,6 +287,51 @@ def _cast(
     for name, tensor in weights:
         dtype = dtypes.get(name)
         yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+# vLLM 0.32's loggers of the warnings ExpectedLoadWarnings drops.
+WEIGHT_DTYPE_LOGGER = "vllm.model_executor.models.utils"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedLoadWarnings(logging.Filter):
+    """Drops the warnings vLLM 0.32 logs for what this engine does on purpose, so that a generator's log shows only
+    what needs reading:
+
+    - at start, one per tensor, "Attempted to load weight ... with dtype torch.float32 into parameter with dtype
+      torch.bfloat16" (`narrowed_to` bfloat16): the initial policy is float32 and the engine bfloat16
+      (generation.dtype). vLLM rounds each weight to nearest even, as a published version's cast does;
+    - at every refit, "RotaryEmbedding: Failed to load weights" and, for a tied head, "ParallelLMHead: Failed to load
+      weights" (`weightless` layers): the rotary embedding has no weights in the file, and a tied head's weight is
+      the embedding's, which reload_safetensors packs into the head again.
+
+    Any other dtype or layer still warns.
+    """
+
+    def __init__(self, narrowed_to: torch.dtype | None = None, weightless: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.narrowed_to, self.weightless = narrowed_to, weightless
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg == "Attempted to load weight %s with dtype %s into parameter with dtype %s":
+            return args[1:] != (torch.float32, self.narrowed_to)
+        if record.msg == "%s: Failed to load weights":
+            return args[:1] != () and args[0] not in self.weightless
+        return True
+
+
+@contextlib.contextmanager
+def _dropping(expected: ExpectedLoadWarnings) -> Iterator[None]:
+    """`expected` filters vLLM's loading loggers for the duration of one load."""
+    loggers = [logging.getLogger(name) for name in (WEIGHT_DTYPE_LOGGER, RELOAD_LOGGER)]
+    for logger in loggers:
+        logger.addFilter(expected)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(expected)
 
 
 def _configure_threads(threads: int | None) -> int:
@@ -324,6 +376,9 @@ def _start_llm(
         # vLLM only fails at the first forward pass, with "Unsupported CPU attention configuration".
         if head_dim not in supported:
             raise ValueError(f"vLLM's CPU attention supports head sizes {supported}, the policy has {head_dim}")
+    kernels: dict[str, Any] = {}
+    if current_platform.is_cpu():
+        kernels = {"kernel_config": {"ir_op_priority": {op: [CPU_NORMS, "native"] for op in _cpu_norm_kernels()}}}
     lora: dict[str, Any] = {}
     if lora_rank is not None:
         # One adapter serves at a time; two fit in vLLM's cache, so that the previous one leaves when this engine
@@ -342,8 +397,65 @@ def _start_llm(
         generation_config="vllm",  # sampling comes from GenerationSpec only, not the model card's defaults
         worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
         disable_log_stats=True,
+        **kernels,
         **lora,
     )
+
+
+# The provider name under which _cpu_norm_kernels registers vLLM's compiled CPU RMSNorm.
+CPU_NORMS = "reinforce_cpu_c"
+
+
+def _cpu_norm_kernels() -> list[str]:
+    """Registers vLLM's compiled CPU kernels (torch.ops._C.rms_norm, fused_add_rms_norm) as implementations of its IR
+    ops rms_norm and fused_add_rms_norm; returns the ops' names. vLLM 0.32 registers them for GPUs only, and on CPU
+    runs the ops as a chain of eager torch ops (a float32 copy, pow, mean, rsqrt, two multiplies) written for
+    torch.compile to fuse, which eager mode never does. The kernels normalise in float32 and round once, closer to
+    the trainer's float32 norm than the eager chain, which rounds before its weight multiply (benchmarks/engines.py
+    reports the engines' log-prob mismatch). Contiguous 2-D inputs with the weight in their dtype only; anything else
+    falls back to vLLM's own implementation."""
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # loads torch.ops._C
+    if CPU_NORMS not in ir.ops.rms_norm.impls:
+
+        @ir.ops.rms_norm.register_impl(CPU_NORMS, supports_args=_kernel_takes)
+        def rms_norm(
+            x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None
+        ) -> torch.Tensor:
+            out = torch.empty_like(x)
+            torch.ops._C.rms_norm(out, x, weight, epsilon)
+            return out
+
+        @ir.ops.fused_add_rms_norm.register_impl(CPU_NORMS, supports_args=_fused_kernel_takes, inplace=True)
+        def fused_add_rms_norm(
+            x: torch.Tensor,
+            x_residual: torch.Tensor,
+            weight: torch.Tensor | None,
+            epsilon: float,
+            variance_size: int | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)  # x: the output, x_residual: the sum
+            return x, x_residual
+
+    return ["rms_norm", "fused_add_rms_norm"]
+
+
+def _kernel_takes(
+    x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None
+) -> bool:
+    return variance_size is None and x.dim() == 2 and x.is_contiguous() and (weight is None or weight.dtype == x.dtype)
+
+
+def _fused_kernel_takes(
+    x: torch.Tensor,
+    x_residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    epsilon: float,
+    variance_size: int | None = None,
+) -> bool:
+    return _kernel_takes(x, weight, epsilon, variance_size) and x_residual.is_contiguous()
 
 
 def _kv_bytes_per_token(config: PretrainedConfig, dtype: str) -> int:
