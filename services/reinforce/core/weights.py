@@ -213,18 +213,24 @@ def write_safetensors(
     encoded += b" " * (-len(encoded) % 8)
     digest = hashlib.sha256()
     num_bytes = 0
-    # The chunk digests are a second pass of sha256 over the same bytes: a thread takes it, beside the writing and
-    # the whole file's digest (hashlib and file writes release the GIL), so it adds no time where a core is free.
-    with path.open("wb") as f, ThreadPoolExecutor(max_workers=1) as chunk_hashing:
-        pending = []
-        for piece in (len(encoded).to_bytes(8, "little"), encoded, *map(_raw_bytes, tensors.values())):
-            if chunks is not None:
-                pending.append(chunk_hashing.submit(chunks.update, piece))  # one worker: in order
-            f.write(piece)
-            digest.update(piece)
-            num_bytes += len(piece)
+    # Two passes of sha256 over the same bytes (the whole file's, each chunk's), each on a thread of its own beside
+    # the writing (hashlib and file writes release the GIL): the write waits for neither, and on two free cores a
+    # publish takes about as long as one pass. One worker per pass keeps its pieces in order.
+    hashers = [(digest.update, ThreadPoolExecutor(max_workers=1))]
+    if chunks is not None:
+        hashers.append((chunks.update, ThreadPoolExecutor(max_workers=1)))
+    pending = []
+    try:
+        with path.open("wb") as f:
+            for piece in (len(encoded).to_bytes(8, "little"), encoded, *map(_raw_bytes, tensors.values())):
+                pending += [pool.submit(update, piece) for update, pool in hashers]
+                f.write(piece)
+                num_bytes += len(piece)
         for hashed in pending:
             hashed.result()
+    finally:
+        for _, pool in hashers:
+            pool.shutdown(cancel_futures=True)
     return num_bytes, digest.hexdigest()
 
 
