@@ -17,6 +17,9 @@ bf16), then each named by the sampler and training precision it sets: `bf16, vLL
 same seed) and `tuned` (vLLM and bf16 with the whole step in one micro-batch). Each repeat
 runs TRL, then `reinforce run`, one after the other so that none competes with another for the cores; the mean
 1-minute load average during each run is recorded beside it (other work on a shared machine slows both sides).
+Repeat n runs both with seed 1 + n - 1 (`--append` numbers its repeats after the saved ones), so repeats differ in
+their prompts' order and their samples: a time to a reward is one learning curve's, and the medians over repeats
+(printed and in BENCHMARKS.md once there are two) say more than any one of them.
 `--trl-python` runs TRL in another environment (a venv with trl==1.16.0 and vaderSentiment).
 
 Printed and saved (benchmarks/results/vs_trl.json, then BENCHMARKS.md): seconds per step (median, the first step
@@ -42,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from sections import write_section  # the standard library only: the TRL environment imports this file too
@@ -396,7 +399,8 @@ def render(results: dict) -> str:
         "",
         f"SmolLM2-135M-Instruct, VADER reward, {s['num_prompts']} review prompts, k={s['k']}, "
         f"{s['prompts_per_step']} prompts per step, {s['max_new_tokens']} new tokens, no stop strings, "
-        f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps; s/step is the median over the steps after the first.",
+        f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps; s/step is the median over the steps after the first. "
+        f"Repeat n (#n) samples with seed {s['seed']} + n - 1." + _commits_text(results["runs"]),
         "",
         "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
         "settings: " + _settings_text(results["runs"]) + "; `the defaults` sets nothing (generation.engine auto "
@@ -422,6 +426,24 @@ def render(results: dict) -> str:
             f"{_fmt(c.get('train_share_of_model_peak'), '{:.0%}')} "
             f"| {_rss_cell(r['peak_rss_mib'])} | {_fmt(r.get('load_average'), '{:.1f}')} |"
         )
+    summary = over_repeats(results)
+    if summary:
+        lines += [
+            "",
+            "Over repeats (each repeat against TRL's best of the same repeat): the median, and the lowest to the "
+            "highest. TRL's time to the reward over ours counts the repeats where both reached it.",
+            "",
+            "| run | repeats | vs TRL's best completions/s | TRL's best s to 3-step mean 0.7 over ours "
+            "| reward last 3 minus TRL's best's |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, values in summary.items():
+            reached = f"{len(values['to_target'])} of {len(values['speed'])}: "
+            lines.append(
+                f"| reinforce run, {name} | {len(values['speed'])} | {_median_and_range(values['speed'], '{:.2f}x')} | "
+                f"{reached}{_median_and_range(values['to_target'], '{:.2f}x')} | "
+                f"{_median_and_range(values['reward'], '{:+.3f}')} |"
+            )
     phased = [run for run in results["runs"] if "phase_seconds" in run["result"]]
     if phased:
         lines += ["", "Median seconds per phase of `reinforce run`'s steps:", ""]
@@ -437,10 +459,55 @@ def _compared(run: dict, results: dict) -> dict:
     """compare() for one of our runs against the fastest TRL run of its repeat (none: no ratios); {} for TRL's."""
     if "ours" not in run:
         return run.get("compare", {})  # results saved before the runs named their repeat carry their own
-    trl = [r["result"] for r in results["runs"] if "trl" in r and r["repeat"] == run["repeat"]]
-    best = min(trl, key=lambda r: r["seconds_per_step"], default=None)
     machine = results["machine"]
-    return compare(best, run["result"], machine["bf16_gflops"], machine.get("model_bf16_gflops"))
+    return compare(
+        _trl_best(results, run["repeat"]), run["result"], machine["bf16_gflops"], machine.get("model_bf16_gflops")
+    )
+
+
+def _trl_best(results: dict, repeat: int) -> dict | None:
+    """The result of TRL's faster configuration (fewer s/step) in repeat `repeat`, if TRL ran in it."""
+    trl = [r["result"] for r in results["runs"] if "trl" in r and r["repeat"] == repeat]
+    return min(trl, key=lambda r: r["seconds_per_step"], default=None)
+
+
+def over_repeats(results: dict) -> dict[str, dict[str, list[float]]]:
+    """For each of our configurations run in two or more repeats beside TRL: its ratios to TRL's best in each repeat
+    (completions/s; TRL's seconds to the reward target over ours, where both reached it; reward last 3 minus TRL's)."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for run in results["runs"]:
+        trl = _trl_best(results, run["repeat"]) if "ours" in run else None
+        if trl is None:
+            continue
+        ours, mine = run["result"], ratios.setdefault(run["ours"], {"speed": [], "to_target": [], "reward": []})
+        mine["speed"].append(ours["completions_per_s"] / trl["completions_per_s"])
+        mine["reward"].append(ours["reward_last3"] - trl["reward_last3"])
+        if ours["seconds_to_reward_0.7"] and trl["seconds_to_reward_0.7"]:
+            mine["to_target"].append(trl["seconds_to_reward_0.7"] / ours["seconds_to_reward_0.7"])
+    return {name: values for name, values in ratios.items() if len(values["speed"]) >= 2}
+
+
+def _median_and_range(values: list[float], pattern: str) -> str:
+    if not values:
+        return "not reached"
+    low, high = min(values), max(values)
+    return f"{pattern.format(statistics.median(values))} ({pattern.format(low)} to {pattern.format(high)})"
+
+
+def _commits_text(runs: list[dict]) -> str:
+    """Which commit each repeat measured, where the saved runs name theirs."""
+    by_commit: dict[str, list[int]] = {}
+    for run in runs:
+        repeats = by_commit.setdefault(run.get("commit", "not recorded"), [])
+        if run["repeat"] not in repeats:
+            repeats.append(run["repeat"])
+    if list(by_commit) == ["not recorded"]:
+        return ""
+    return (
+        " Commits measured: "
+        + "; ".join(f"{commit} (#{', #'.join(map(str, repeats))})" for commit, repeats in by_commit.items())
+        + "."
+    )
 
 
 def _run_name(run: dict) -> str:
@@ -540,18 +607,37 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
         results["machine"].setdefault("model_bf16_gflops", model_matmul_gflops(policy))
-        for repeat in range(args.repeats):
+        first = 1 + max((run["repeat"] for run in runs), default=0)
+        commit = _commit()
+        for repeat in range(first, first + args.repeats):
+            seeded = replace(s, seed=repeat_seed(s, repeat))
             trl_runs = [] if args.skip_trl else args.trl_precisions
             for precision in trl_runs:
-                result = run_trl(work, args.trl_python, policy, prompts, s, precision)
-                name = f"TRL RLOOTrainer {precision} #{repeat + 1}"
-                runs.append({"name": name, "trl": precision, "repeat": repeat + 1, "result": result})
+                result = run_trl(work, args.trl_python, policy, prompts, seeded, precision)
+                name = f"TRL RLOOTrainer {precision} #{repeat}"
+                row = {"name": name, "trl": precision, "repeat": repeat, "seed": seeded.seed, "commit": commit}
+                runs.append({**row, "result": result})
                 _save(results, args.results)
             for name in args.ours:
-                ours = run_reinforce(work, policy, prompts, s, name)
-                runs.append({"ours": name, "sets": OURS[name], "repeat": repeat + 1, "result": ours})
+                ours = run_reinforce(work, policy, prompts, seeded, name)
+                row = {"ours": name, "sets": OURS[name], "repeat": repeat, "seed": seeded.seed, "commit": commit}
+                runs.append({**row, "result": ours})
                 _save(results, args.results)
+        summary = over_repeats(results)
+        if summary:
+            print(json.dumps(summary, indent=2))
     print(f"wrote {args.results}" + (" and BENCHMARKS.md" if args.results.resolve() == RESULTS else ""))
+
+
+def _commit() -> str:
+    """The checkout's commit, `-dirty` when files differ from it: what each run measured."""
+    describe = ["git", "-C", str(REPO), "describe", "--always", "--dirty", "--abbrev=7"]
+    return subprocess.run(describe, capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def repeat_seed(s: Settings, repeat: int) -> int:
+    """The seed of repeat `repeat` (from 1): both frameworks' sampling and prompt order."""
+    return s.seed + repeat - 1
 
 
 def _save(results: dict, path: Path) -> None:
