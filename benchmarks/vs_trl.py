@@ -390,12 +390,7 @@ def render(results: dict) -> str:
         "Written by `python benchmarks/vs_trl.py` from `benchmarks/results/vs_trl.json`. "
         f"Machine: {m['cpu']}, {m['cpus']} usable CPUs; Python {m['python']}, torch {m['torch']}, "
         f"transformers {m['transformers']}, TRL {m['trl']}. Measured {results['date']}{m.get('note', '')}. "
-        f"Matmul peak (2048x2048): float32 {m['fp32_gflops']:.0f} GFLOP/s, bfloat16 {m['bf16_gflops']:.0f} GFLOP/s"
-        + (
-            f"; the policy's linear layers in bfloat16 at 2048 rows: {m['model_bf16_gflops']:.0f} GFLOP/s."
-            if "model_bf16_gflops" in m
-            else "."
-        ),
+        + _peaks_text(results),
         "",
         f"SmolLM2-135M-Instruct, VADER reward, {s['num_prompts']} review prompts, k={s['k']}, "
         f"{s['prompts_per_step']} prompts per step, {s['max_new_tokens']} new tokens, no stop strings, "
@@ -459,10 +454,36 @@ def _compared(run: dict, results: dict) -> dict:
     """compare() for one of our runs against the fastest TRL run of its repeat (none: no ratios); {} for TRL's."""
     if "ours" not in run:
         return run.get("compare", {})  # results saved before the runs named their repeat carry their own
-    machine = results["machine"]
+    peaks = _peaks(run, results)
     return compare(
-        _trl_best(results, run["repeat"]), run["result"], machine["bf16_gflops"], machine.get("model_bf16_gflops")
+        _trl_best(results, run["repeat"]), run["result"], peaks["bf16_gflops"], peaks.get("model_bf16_gflops")
     )
+
+
+PEAKS = ("fp32_gflops", "bf16_gflops", "model_bf16_gflops")
+
+
+def _peaks(run: dict, results: dict) -> dict[str, float]:
+    """The matmul peaks measured by the invocation that made `run` (runs saved before runs kept theirs: the
+    machine's)."""
+    return run.get("peaks") or {name: results["machine"][name] for name in PEAKS if name in results["machine"]}
+
+
+def _peaks_text(results: dict) -> str:
+    """The matmul peaks each invocation measured (the shares of a run are of its own invocation's), and its repeats."""
+    measured: dict[tuple, list[int]] = {}
+    for run in results["runs"]:
+        repeats = measured.setdefault(tuple(sorted(_peaks(run, results).items())), [])
+        if run["repeat"] not in repeats:
+            repeats.append(run["repeat"])
+    texts = []
+    for peaks, repeats in measured.items():
+        p = dict(peaks)
+        text = f"float32 {p['fp32_gflops']:.0f} GFLOP/s, bfloat16 {p['bf16_gflops']:.0f} GFLOP/s"
+        if "model_bf16_gflops" in p:
+            text += f"; the policy's linear layers in bfloat16 at 2048 rows: {p['model_bf16_gflops']:.0f} GFLOP/s"
+        texts.append(text + (f" (#{', #'.join(map(str, repeats))})" if len(measured) > 1 else ""))
+    return "Matmul peak (2048x2048), measured beside the runs: " + "; ".join(texts) + "."
 
 
 def _trl_best(results: dict, repeat: int) -> dict | None:
@@ -601,12 +622,14 @@ def main() -> None:
         if earlier["settings"] != results["settings"]:
             raise SystemExit(f"--append: {args.results} was measured with other settings: {earlier['settings']}")
         runs.extend(earlier["runs"])
-        results["machine"] = earlier["machine"]  # the peaks the earlier rows' shares are of
+        results["machine"] = {**info, **earlier["machine"]}  # the earlier rows' shares are of its peaks
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
-        results["machine"].setdefault("model_bf16_gflops", model_matmul_gflops(policy))
+        info["model_bf16_gflops"] = model_matmul_gflops(policy)
+        results["machine"].setdefault("model_bf16_gflops", info["model_bf16_gflops"])
+        peaks = {name: info[name] for name in PEAKS}  # this invocation's: its runs' shares are of these
         first = 1 + max((run["repeat"] for run in runs), default=0)
         commit = _commit()
         for repeat in range(first, first + args.repeats):
@@ -616,11 +639,13 @@ def main() -> None:
                 result = run_trl(work, args.trl_python, policy, prompts, seeded, precision)
                 name = f"TRL RLOOTrainer {precision} #{repeat}"
                 row = {"name": name, "trl": precision, "repeat": repeat, "seed": seeded.seed, "commit": commit}
+                row["peaks"] = peaks
                 runs.append({**row, "result": result})
                 _save(results, args.results)
             for name in args.ours:
                 ours = run_reinforce(work, policy, prompts, seeded, name)
                 row = {"ours": name, "sets": OURS[name], "repeat": repeat, "seed": seeded.seed, "commit": commit}
+                row["peaks"] = peaks
                 runs.append({**row, "result": ours})
                 _save(results, args.results)
         summary = over_repeats(results)
