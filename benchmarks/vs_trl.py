@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -471,18 +472,14 @@ def _peaks(run: dict, results: dict) -> dict[str, float]:
 
 def _peaks_text(results: dict) -> str:
     """The matmul peaks each invocation measured (the shares of a run are of its own invocation's), and its repeats."""
-    measured: dict[tuple, list[int]] = {}
-    for run in results["runs"]:
-        repeats = measured.setdefault(tuple(sorted(_peaks(run, results).items())), [])
-        if run["repeat"] not in repeats:
-            repeats.append(run["repeat"])
+    measured = _repeats_by(results["runs"], lambda run: tuple(sorted(_peaks(run, results).items())))
     texts = []
     for peaks, repeats in measured.items():
         p = dict(peaks)
         text = f"float32 {p['fp32_gflops']:.0f} GFLOP/s, bfloat16 {p['bf16_gflops']:.0f} GFLOP/s"
         if "model_bf16_gflops" in p:
             text += f"; the policy's linear layers in bfloat16 at 2048 rows: {p['model_bf16_gflops']:.0f} GFLOP/s"
-        texts.append(text + (f" (#{', #'.join(map(str, repeats))})" if len(measured) > 1 else ""))
+        texts.append(text + (f" ({_numbered(repeats)})" if len(measured) > 1 else ""))
     return "Matmul peak (2048x2048), measured beside the runs: " + "; ".join(texts) + "."
 
 
@@ -517,18 +514,24 @@ def _median_and_range(values: list[float], pattern: str) -> str:
 
 def _commits_text(runs: list[dict]) -> str:
     """Which commit each repeat measured, where the saved runs name theirs."""
-    by_commit: dict[str, list[int]] = {}
-    for run in runs:
-        repeats = by_commit.setdefault(run.get("commit", "not recorded"), [])
-        if run["repeat"] not in repeats:
-            repeats.append(run["repeat"])
+    by_commit = _repeats_by(runs, lambda run: run.get("commit", "not recorded"))
     if list(by_commit) == ["not recorded"]:
         return ""
-    return (
-        " Commits measured: "
-        + "; ".join(f"{commit} (#{', #'.join(map(str, repeats))})" for commit, repeats in by_commit.items())
-        + "."
-    )
+    return " Commits measured: " + "; ".join(f"{c} ({_numbered(repeats)})" for c, repeats in by_commit.items()) + "."
+
+
+def _repeats_by(runs: list[dict], key: Callable[[dict], Hashable]) -> dict[Hashable, list[int]]:
+    """The repeat numbers of `runs` under each value of key(run), in the order they first appear."""
+    grouped: dict[Hashable, list[int]] = {}
+    for run in runs:
+        repeats = grouped.setdefault(key(run), [])
+        if run["repeat"] not in repeats:
+            repeats.append(run["repeat"])
+    return grouped
+
+
+def _numbered(repeats: list[int]) -> str:
+    return ", ".join(f"#{repeat}" for repeat in repeats)
 
 
 def _run_name(run: dict) -> str:
@@ -634,19 +637,17 @@ def main() -> None:
         commit = _commit()
         for repeat in range(first, first + args.repeats):
             seeded = replace(s, seed=repeat_seed(s, repeat))
+            # what each run measured: its repeat, seed, commit and the matmul peaks its shares are of
+            measured = {"repeat": repeat, "seed": seeded.seed, "commit": commit, "peaks": peaks}
             trl_runs = [] if args.skip_trl else args.trl_precisions
             for precision in trl_runs:
                 result = run_trl(work, args.trl_python, policy, prompts, seeded, precision)
                 name = f"TRL RLOOTrainer {precision} #{repeat}"
-                row = {"name": name, "trl": precision, "repeat": repeat, "seed": seeded.seed, "commit": commit}
-                row["peaks"] = peaks
-                runs.append({**row, "result": result})
+                runs.append({"name": name, "trl": precision, **measured, "result": result})
                 _save(results, args.results)
             for name in args.ours:
                 ours = run_reinforce(work, policy, prompts, seeded, name)
-                row = {"ours": name, "sets": OURS[name], "repeat": repeat, "seed": seeded.seed, "commit": commit}
-                row["peaks"] = peaks
-                runs.append({**row, "result": ours})
+                runs.append({"ours": name, "sets": OURS[name], **measured, "result": ours})
                 _save(results, args.results)
         summary = over_repeats(results)
         if summary:
