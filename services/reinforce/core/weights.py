@@ -214,8 +214,8 @@ def write_safetensors(
     digest = hashlib.sha256()
     num_bytes = 0
     # Two passes of sha256 over the same bytes (the whole file's, each chunk's), each on a thread of its own beside
-    # the writing (hashlib and file writes release the GIL): the write waits for neither, and on two free cores a
-    # publish takes about as long as one pass. One worker per pass keeps its pieces in order.
+    # the writing (hashlib and file writes release the GIL), so the write waits for neither. One worker per pass
+    # keeps its pieces in order.
     hashers = [(digest.update, ThreadPoolExecutor(max_workers=1))]
     if chunks is not None:
         hashers.append((chunks.update, ThreadPoolExecutor(max_workers=1)))
