@@ -498,8 +498,9 @@ def over_repeats(results: dict) -> dict[str, dict[str, list[float]]]:
         if trl is None:
             continue
         ours, mine = run["result"], ratios.setdefault(run["ours"], {"speed": [], "to_target": [], "reward": []})
-        mine["speed"].append(ours["completions_per_s"] / trl["completions_per_s"])
-        mine["reward"].append(ours["reward_last3"] - trl["reward_last3"])
+        compared = _compared(run, results)  # the main table's ratios of this run
+        mine["speed"].append(compared["completions_per_s_vs_trl"])
+        mine["reward"].append(compared["reward_last3_minus_trl"])
         if ours["seconds_to_reward_0.7"] and trl["seconds_to_reward_0.7"]:
             mine["to_target"].append(trl["seconds_to_reward_0.7"] / ours["seconds_to_reward_0.7"])
     return {name: values for name, values in ratios.items() if len(values["speed"]) >= 2}
