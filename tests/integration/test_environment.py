@@ -497,18 +497,19 @@ def test_a_namespaced_call_leaves_no_zombie_to_the_host() -> None:
     orphan: the service (a subreaper) must reap it, for the process that would adopt it otherwise may never do so.
     Here that process is this script's parent, a subreaper that reaps nothing (as a container's or a sandbox VM's
     PID 1 may): after the call nothing of the call's uid is left under it with the sweep, and without the sweep the
-    namespace's PID 1 is (so the test can fail)."""
+    namespace's PID 1 is (so the test can fail). Every adopted process counts, whatever its uid: on a loaded machine
+    the time limit may kill the jail before it drops to the call's uid."""
     call = (
         "import asyncio, sys\nfrom reinforce.environment.sandbox import Limits, Sandbox\n"
         "limits = Limits(1.0, 256 << 20, 16 << 20, 32, 4000)\n"
         "sandbox = Sandbox(limits, 1, [], 'namespaces', reap_strays=sys.argv[1] == 'y')\n"
         "assert asyncio.run(sandbox.run('import time; time.sleep(60)')).timed_out"
     )
-    host = (  # becomes a subreaper, runs the call in a child and counts the processes of a call's uid it adopted
+    host = (  # becomes a subreaper, runs the call in a child and counts the processes it adopted
         "import subprocess, sys, time, psutil\n"
-        "from reinforce.environment.sandbox import SANDBOX_UID_BASE, become_subreaper\nbecome_subreaper()\n"
+        "from reinforce.environment.sandbox import become_subreaper\nbecome_subreaper()\n"
         "subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True)\ntime.sleep(0.5)\n"
-        "print(sum(child.uids().real >= SANDBOX_UID_BASE for child in psutil.Process().children()))"
+        "print(len(psutil.Process().children()))"
     )
     left = [
         subprocess.run([sys.executable, "-c", host, call, sweep], capture_output=True, text=True, timeout=120)
