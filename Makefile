@@ -23,8 +23,10 @@ quickstart: install
 tiny: install
 	$(VENV)/bin/reinforce run examples/tiny.yaml --overwrite
 
+# Two pytest-xdist workers: one pytest process leaves much of 2 cores idle while tests wait on servers, pods and
+# containers. tests/conftest.py keeps the tests that share something machine-wide in one worker, one at a time.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -15,6 +15,30 @@ from reinforce.supervisor.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
+# Tests that share something machine-wide run one after another, in one xdist worker (`make test` runs two):
+# dockerd, its images and the single-node cluster (tests/e2e), and the environment sandbox's uids
+# (SANDBOX_UID_BASE + slot), whose process limit counts every process of that uid on the machine, and which the
+# zombie test looks for machine-wide.
+ONE_AT_A_TIME = (
+    "tests/e2e/",
+    "tests/integration/test_environment.py",
+    "tests/integration/test_environment_confinement.py",
+    "tests/integration/test_code_reward_server.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when pytest runs without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scope scheduling with one scope for ONE_AT_A_TIME and one per test for the rest. (Not `--dist
+    loadgroup`: xdist 3.8 renames the grouped tests' ids through an attribute that pytest 9.2 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneAtATime(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "machine-wide" if nodeid.startswith(ONE_AT_A_TIME) else nodeid
+
+    return OneAtATime(config, log)
+
 
 def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
     client = redis.Redis.from_url(url, socket_timeout=1.0)
