@@ -496,7 +496,7 @@ def test_a_namespaced_call_leaves_no_zombie_to_the_host() -> None:
     """A call past its time limit is killed with its `unshare`, whose child, the namespace's PID 1, is then an
     orphan: the service (a subreaper) must reap it, for the process that would adopt it otherwise may never do so.
     Here that process is this script's parent, a subreaper that reaps nothing (as a container's or a sandbox VM's
-    PID 1 may): after the call nothing of the call's uid is left under it with the sweep, and without the sweep the
+    PID 1 may): after the call nothing is left under it with the sweep, and without the sweep the
     namespace's PID 1 is (so the test can fail). Every adopted process counts, whatever its uid: on a loaded machine
     the time limit may kill the jail before it drops to the call's uid."""
     call = (
