@@ -43,13 +43,13 @@ def test_eager_and_sdpa_agree(policy_dir):
 def test_auto_uses_eager_for_short_sequences_and_sdpa_for_long_ones_on_cpu(policy_dir):
     backend = TorchBackend(TrainingSpec(), policy_dir, Ranks())
     short = backend.policy_logprobs(PROMPTS, RESPONSES, 1.0)[0]
-    assert backend.policy.config._attn_implementation == "eager"
+    assert backend.compute.config._attn_implementation == "eager"
     assert backend.reference.config._attn_implementation == "eager"
 
     long_response = [7] * EAGER_ATTENTION_MAX_TOKENS
     backend.reference_logprobs([[1]], [long_response], 1.0)
-    assert backend.policy.config._attn_implementation == "sdpa"
+    assert backend.compute.config._attn_implementation == "sdpa"
     assert backend.reference.config._attn_implementation == "sdpa"
     # switching back and forth changes nothing computed
     torch.testing.assert_close(backend.policy_logprobs(PROMPTS, RESPONSES, 1.0)[0], short, rtol=1e-5, atol=1e-5)
-    assert backend.policy.config._attn_implementation == "eager"
+    assert backend.compute.config._attn_implementation == "eager"

@@ -31,8 +31,8 @@ def policy_dir(tmp_path: Path) -> Path:
     return tmp_path / "policy"
 
 
-def _backend(policy_dir: Path, lora: LoraSpec | None, checkpointing: bool) -> TorchBackend:
-    training = TrainingSpec(precision="fp32", lora=lora, gradient_checkpointing=checkpointing)
+def _backend(policy_dir: Path, lora: LoraSpec | None, checkpointing: bool, precision: str = "fp32") -> TorchBackend:
+    training = TrainingSpec(precision=precision, lora=lora, gradient_checkpointing=checkpointing)
     torch.manual_seed(1)  # PEFT's random A
     backend = TorchBackend(training, policy_dir, Ranks())
     if lora is not None:  # PEFT starts B at zero, where A's gradient is zero too: give both something to show
@@ -47,11 +47,15 @@ def _loss(backend: TorchBackend) -> torch.Tensor:
     return -((logprobs + 0.1 * entropy) * mask).sum() / mask.sum()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("lora", [None, LORA])
-def test_checkpointing_gives_the_same_loss_and_gradients(policy_dir: Path, lora: LoraSpec | None) -> None:
+def test_checkpointing_gives_the_same_loss_and_gradients(
+    policy_dir: Path, lora: LoraSpec | None, precision: str
+) -> None:
+    """Bit for bit, in float32 and in bf16 (a bfloat16 copy of the policy, or LoRA under autocast)."""
     results = []
     for checkpointing in (False, True):
-        backend = _backend(policy_dir, lora, checkpointing)
+        backend = _backend(policy_dir, lora, checkpointing, precision)
         loss = _loss(backend)
         loss.backward()
         grads = {n: p.grad for n, p in backend.policy.named_parameters() if p.requires_grad}
@@ -72,7 +76,7 @@ def test_the_layers_run_again_in_the_backward_only_when_on(
 ) -> None:
     backend = _backend(policy_dir, lora, checkpointing)
     calls: list[bool] = []
-    for layer in backend.policy.base_model.layers:
+    for layer in backend.compute.base_model.layers:
         layer.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
     loss = _loss(backend)
     forward = len(calls)

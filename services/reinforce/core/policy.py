@@ -179,10 +179,20 @@ def _random_policy(init: RandomInit, seed: int) -> tuple[PreTrainedModel, PreTra
     return model.to(torch.float32), tokenizer
 
 
-def load_policy(folder: str | Path) -> PreTrainedModel:
-    """The policy in float32 and eval mode (no dropout; the trainer switches modes itself if it wants)."""
+def load_policy(folder: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The policy in eval mode (no dropout; the trainer switches modes itself if it wants), its parameters in
+    `dtype` (see :func:`with_parameters_in`)."""
     model = AutoModelForCausalLM.from_pretrained(Path(folder), dtype=torch.float32, local_files_only=True)
-    return model.eval()
+    return with_parameters_in(model, dtype).eval()
+
+
+def with_parameters_in(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """`model` with its parameters cast to `dtype` in place. Its buffers, the rotary frequencies, stay float32
+    (vLLM computes its angles from float32 frequencies too): in bfloat16 SmolLM2's second frequency, 0.6978,
+    becomes 0.6992, which turns position 100's angle by 0.14 rad."""
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)
+    return model
 
 
 def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:

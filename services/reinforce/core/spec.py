@@ -522,9 +522,10 @@ class TrainingSpec(_Section):
         "auto",
         description="auto: bf16 on the torch backend, the faster of the two on CPU, and fp32 on megatron, which "
         "trains in float32. fp32: everything float32 (bit-reproducible: set it for exactness studies and for tests "
-        "that compare runs to float32 noise). bf16 (torch backend): the policy's forward and backward "
-        "under autocast to bfloat16 with float32 master weights and AdamW state, the reference model held in "
-        "bfloat16; log-probs and the loss in float32. "
+        "that compare runs to float32 noise). bf16 (torch backend): the policy's forward and backward on a "
+        "bfloat16 copy of its float32 master weights, gradients added up in float32 and AdamW's state float32 "
+        "(LoRA: the adapters under autocast), the reference model held in bfloat16; log-probs and the loss in "
+        "float32. "
         "Weight versions travel in the generators' precision (generation.dtype) either way.",
     )
     attention: Literal["auto", "sdpa", "eager"] = Field(

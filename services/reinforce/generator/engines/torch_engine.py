@@ -31,7 +31,7 @@ class TorchEngine(GenerationEngine):
     def __init__(self, policy_dir: Path, generation: GenerationSpec, num_samples: int) -> None:
         super().__init__(policy_dir, generation, num_samples)
         self.tokenizer = load_tokenizer(policy_dir)
-        self.model = load_policy(policy_dir).to(getattr(torch, generation.resolved_dtype()))  # weight version 0
+        self.model = load_policy(policy_dir, getattr(torch, generation.resolved_dtype()))  # weight version 0
         self._load = module_loader(self.model)
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 

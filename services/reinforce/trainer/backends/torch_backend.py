@@ -1,10 +1,14 @@
 """The torch backend: the policy and its frozen reference as Hugging Face models, AdamW, data parallelism by
 summing gradients over torchrun ranks (trainer/distributed.py).
 
-training.precision bf16 (what auto, the default, resolves to on this backend): the policy keeps float32 weights
-(AdamW's master weights, its state float32 too) and runs its forward and backward under autocast, so matmuls run in
-bfloat16 and gradients land in float32; the frozen reference is simply a bfloat16 copy. logprobs.response_logprobs
-takes the log-softmax in float32 either way.
+training.precision bf16 (what auto, the default, resolves to on this backend) is mixed precision as Megatron and
+FSDP run it: the policy's float32 weights are the master copy (AdamW's, its state float32 too; what checkpoints and
+weight versions hold), and every forward and backward runs on a bfloat16 copy of them (`_compute_copy`), so
+activations and their elementwise work are bfloat16 as well as the matmuls; each backward's bfloat16 gradients are
+added into float32 gradients of the master weights, and the copy takes the new weights after each optimizer step.
+A LoRA policy trains its adapters under autocast instead (its frozen base is the reference). The frozen reference
+is a bfloat16 copy. Buffers stay float32 in every copy (core/policy.py's with_parameters_in).
+logprobs.response_logprobs takes the log-softmax in float32 either way.
 
 training.attention auto: short sequences (RL responses to chat prompts: about 80 tokens in the benchmarks) run
 attention as plain matmuls, which on CPU is about twice as fast as torch's flash kernel at that length; long ones
@@ -14,6 +18,7 @@ keep the kernel. Hugging Face models switch implementation in place, so each mic
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from collections.abc import Iterator
@@ -55,16 +60,21 @@ class TorchBackend(TrainerBackend):
             self.reference = None
         else:
             # The reference is always the initial policy, also after a resume.
-            self.reference = load_policy(policy_dir).requires_grad_(False).to(self.compute_dtype)
+            self.reference = load_policy(policy_dir, self.compute_dtype).requires_grad_(False)
+        # what every forward and backward runs on: the policy itself, or (bf16 without LoRA) its bfloat16 copy
+        self.compute = self.policy
+        if self.compute_dtype != torch.float32 and self.peft is None:
+            self.compute = _compute_copy(self.policy, self.compute_dtype)
         if training.gradient_checkpointing:
-            _checkpoint_layers(self.policy)
+            _checkpoint_layers(self.compute)
         t = training
         self.optimizer = adamw(self.trainable_parameters(), t.lr, t.adam_betas, t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16: the policy's matmuls in bfloat16 (the backward follows the forward's casts); fp32: nothing."""
-        if self.compute_dtype == torch.float32:
+        """bf16 with LoRA: the policy's matmuls in bfloat16 (the backward follows the forward's casts); otherwise
+        nothing, for the compute copy already holds the precision it runs in."""
+        if self.compute is not self.policy or self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         device = next(self.policy.parameters()).device.type
         return torch.autocast(device, dtype=self.compute_dtype)
@@ -76,7 +86,7 @@ class TorchBackend(TrainerBackend):
             padded = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True))
             on_cpu = next(self.policy.parameters()).device.type == "cpu"
             kernel = "eager" if on_cpu and padded <= EAGER_ATTENTION_MAX_TOKENS else "sdpa"
-        for model in (self.policy, self.reference):
+        for model in (self.compute, self.reference):
             if model is not None and model.config._attn_implementation != kernel:
                 model.set_attn_implementation(kernel)
 
@@ -85,14 +95,14 @@ class TorchBackend(TrainerBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.use_attention_for(prompt_ids, response_ids)
         with self.autocast():
-            return response_logprobs(self.policy, prompt_ids, response_ids, temperature)
+            return response_logprobs(self.compute, prompt_ids, response_ids, temperature)
 
     def policy_logprobs_and_entropy(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.use_attention_for(prompt_ids, response_ids)
         with self.autocast():
-            return response_logprobs_and_entropy(self.policy, prompt_ids, response_ids, temperature)
+            return response_logprobs_and_entropy(self.compute, prompt_ids, response_ids, temperature)
 
     @torch.no_grad()
     def reference_logprobs(
@@ -110,7 +120,16 @@ class TorchBackend(TrainerBackend):
     def optimizer_step(self) -> tuple[float, float]:
         self.ranks.sum_gradients(self.trainable_parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.training.max_grad_norm)
-        return self.step_if_finite(grad_norm)
+        stepped = self.step_if_finite(grad_norm)
+        self._refresh_compute()
+        return stepped
+
+    def _refresh_compute(self) -> None:
+        """The compute copy (if any) takes the master weights, rounded to its precision."""
+        if self.compute is not self.policy:
+            with torch.no_grad():
+                for computed, master in zip(self.compute.parameters(), self.policy.parameters(), strict=True):
+                    computed.copy_(master)
 
     def publishable_model(self) -> torch.nn.Module:
         return self.policy
@@ -139,9 +158,31 @@ class TorchBackend(TrainerBackend):
 
     def load_state(self, folder: Path) -> None:
         load_model(self.policy, str(folder / "model.safetensors"))
+        self._refresh_compute()
         state = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _compute_copy(master: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of `master` with its parameters in `dtype` whose backward adds each parameter's gradient into the
+    float32 gradient of `master`'s, then drops its own: micro-batches accumulate in float32, and AdamW steps
+    `master`. Tied weights stay tied (one parameter, one hook, called once its uses are summed). Each parameter is
+    cast as it is copied, so no second float32 model is ever held; buffers are copied as they are (float32)."""
+    cast = {id(p): torch.nn.Parameter(p.detach().to(dtype), p.requires_grad) for p in master.parameters()}
+    compute = copy.deepcopy(master, memo=cast)
+    for kept, computed in zip(master.parameters(), compute.parameters(), strict=True):
+        if computed.requires_grad:
+            computed.register_post_accumulate_grad_hook(functools.partial(_add_gradient_into, kept))
+    return compute
+
+
+def _add_gradient_into(master: torch.nn.Parameter, computed: torch.Tensor) -> None:
+    if master.grad is None:
+        master.grad = computed.grad.to(master.dtype)
+    else:
+        master.grad.add_(computed.grad)
+    computed.grad = None
 
 
 def _checkpoint_layers(model: PreTrainedModel) -> None:
