@@ -7,7 +7,7 @@ weight versions hold), and every forward and backward runs on a bfloat16 copy of
 activations and their elementwise work are bfloat16 as well as the matmuls; each backward's bfloat16 gradients are
 added into float32 gradients of the master weights, and the copy takes the new weights after each optimizer step.
 A LoRA policy trains its adapters under autocast instead (its frozen base is the reference). The frozen reference
-is a bfloat16 copy. Buffers stay float32 in every copy (core/policy.py's with_parameters_in).
+is a bfloat16 copy. Buffers stay float32 in every copy (why: core/policy.py's with_parameters_in).
 logprobs.response_logprobs takes the log-softmax in float32 either way.
 
 training.attention auto: short sequences (RL responses to chat prompts: about 80 tokens in the benchmarks) run
@@ -74,7 +74,7 @@ class TorchBackend(TrainerBackend):
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 with LoRA: the policy's matmuls in bfloat16 (the backward follows the forward's casts); otherwise
         nothing, for the compute copy already holds the precision it runs in."""
-        if self.compute is not self.policy or self.compute_dtype == torch.float32:
+        if self.peft is None or self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         device = next(self.policy.parameters()).device.type
         return torch.autocast(device, dtype=self.compute_dtype)
