@@ -15,7 +15,7 @@ k=1, 32 new tokens). Prompts are the quickstart's reviews, chat-templated. Per e
 
 Each engine runs in a subprocess of its own (a clean peak RSS; vLLM keeps process-wide state) and prints one JSON
 line; this process prints a Markdown table and each engine's speed over the torch engine's. Engines: torch (the
-reference sampler, float32), torch-bf16, vllm (bfloat16, its default) and vllm-fp32.
+reference sampler, float32), torch-bf16, vllm (bfloat16, its default on bfloat16 hardware) and vllm-fp32.
 """
 
 from __future__ import annotations

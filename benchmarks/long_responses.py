@@ -33,6 +33,7 @@ import psutil
 import torch
 from sections import write_section
 
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.policy import materialize_policy
 from reinforce.core.records_pb2 import RolloutGroup, Sample
 from reinforce.core.spec import RunSpec, TrainingSpec, load_spec
@@ -185,7 +186,7 @@ def main() -> None:
             "prompts": base.training.prompts_per_step,
             "k": base.algorithm.num_rollouts_per_prompt,
             "prompt_tokens": base.data.max_prompt_tokens,
-            "precision": base.training.resolved_precision(),
+            "precision": base.training.resolved_precision(bfloat16_is_native("cpu")),
         },
         "rows": rows,
     }

@@ -2,7 +2,8 @@
 
     python benchmarks/lora_vllm.py [--versions 5] [--threads 2] [--work DIR] [--render]
 
-Cases, each served by a vLLM engine (bfloat16, its default) built as a generator builds it (`build_engine`):
+Cases, each served by a vLLM engine (bfloat16, its default on bfloat16 hardware) built as a generator builds it
+(`build_engine`):
 
 - full: no LoRA. The trainer's torch backend publishes the whole policy in bfloat16 (the engine's dtype, as
   trainer/main.py does) and the engine reloads it in place;
@@ -33,6 +34,7 @@ import torch
 from engines import CASES, POLICY, PROMPTS
 from sections import write_section
 
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.policy import load_tokenizer, materialize_policy
 from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.spec import DataSpec, GenerationSpec, LoraSpec, TrainingSpec
@@ -71,10 +73,12 @@ def move(backend: TorchBackend, seed: int) -> None:
 def measure(name: str, lora: LoraSpec | None, policy: Path, work: Path, versions: int, engines: list) -> dict:
     load_before = os.getloadavg()[0]
     backend = TorchBackend(TrainingSpec(lora=lora), policy, Ranks())
-    generation = GenerationSpec(engine="vllm", max_new_tokens=QUICKSTART.generation.max_new_tokens, temperature=1.0)
+    new_tokens = QUICKSTART.generation.max_new_tokens
+    generation = GenerationSpec(engine="vllm", dtype="bfloat16", max_new_tokens=new_tokens, temperature=1.0)
     engine = build_engine(generation, policy, QUICKSTART.k, lora)
     engines.append(engine)  # kept alive: releasing a vLLM engine tears down state the others use
-    dtype = None if lora is not None else getattr(torch, generation.resolved_dtype())  # as trainer/main.py
+    engine_dtype = getattr(torch, generation.resolved_dtype(bfloat16_is_native()))
+    dtype = None if lora is not None else engine_dtype  # as trainer/main.py
     prompts = quickstart_prompts(policy)
     seeds = [1000 + i for i in range(len(prompts))]
     engine.sample(prompts[:2], seeds[:2])  # warm-up

@@ -60,7 +60,8 @@ def seconds_per_step(spec: RunSpec, policy: Path, steps: int) -> dict[str, float
     batch = quickstart_batch(spec, vocab=49152)
     trainers = {}
     for name in ("torch", "megatron"):
-        # both in float32, as the megatron backend trains (training.precision auto is bf16 on the torch backend)
+        # both in float32, as the megatron backend trains (training.precision auto is bf16 on the torch backend
+        # on bfloat16 hardware)
         training = spec.training.model_copy(update={"backend": name, "precision": "fp32"})
         run = spec.model_copy(update={"training": training})
         trainers[name] = (build_backend(run.training, policy, Ranks()), build_algorithm(run, Ranks()))

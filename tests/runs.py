@@ -33,9 +33,11 @@ needs_vllm = pytest.mark.skipif(
 
 def on_engine(engine: str, **overrides: dict) -> dict[str, dict]:
     """`overrides` for write_spec with generation.engine set; vLLM's CPU attention needs the tiny policy's heads to
-    be of size 32 (one head instead of two)."""
+    be of size 32 (one head instead of two), and vLLM samples in bfloat16 on every machine (its dtype auto is float32
+    without bfloat16 hardware): the tests' mismatch bounds are bfloat16's."""
     overrides = {**overrides, "generation": {**overrides.get("generation", {}), "engine": engine}}
     if engine == "vllm":
+        overrides["generation"].setdefault("dtype", "bfloat16")
         tiny = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())["policy"]
         overrides["policy"] = {"random_init": {**tiny["random_init"], "num_heads": 1}}
     return overrides

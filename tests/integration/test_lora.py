@@ -38,7 +38,8 @@ UNTIED = {"random_init": {"vocab": "abcdefghijklmnopqrstuvwxyz .,!?", "hidden_si
 # vLLM's CPU attention needs heads of size 32: the same model with one head instead of two.
 UNTIED_HEAD32 = {"random_init": {**UNTIED["random_init"], "num_heads": 1}}
 # Mean |generator log-prob - trainer's| per step: the torch engine samples in float32 like the trainer; vLLM in
-# bfloat16 (its default), whose rounding the vLLM engine tests bound (tests/integration/test_vllm_engine.py).
+# bfloat16 (tests/runs.py's on_engine names it), whose rounding the vLLM engine tests bound
+# (tests/integration/test_vllm_engine.py).
 MISMATCH = {"torch": 1e-4, "vllm": 0.05}
 KILL_AFTER = 12  # last checkpoint before it: step 8, so steps 9..12 are redone
 

@@ -75,7 +75,9 @@ def engine(start: Callable[..., VLLMEngine], policy: Path) -> VLLMEngine:
 
 
 def vllm(**fields: object) -> GenerationSpec:
-    return GenerationSpec(engine="vllm", **fields)
+    """A vLLM engine's spec, in bfloat16 unless `fields` name a dtype: the bounds above are bfloat16's, whatever
+    dtype auto would pick on this machine (core/hardware.py)."""
+    return GenerationSpec(engine="vllm", **{"dtype": "bfloat16", **fields})
 
 
 def _mismatch(policy: Path | torch.nn.Module, sampled: list[list[SampledSequence]], temperature: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ def test_the_default_is_auto_and_reads_as_torch_where_nobody_chose():
     spec = parse_spec(MINIMAL)
     assert spec.generation.engine == "auto"
     assert spec.generation.resolved_engine() == "torch"
-    assert spec.generation.resolved_dtype() == "float32"
+    assert spec.generation.resolved_dtype(bfloat16_native=True) == "float32"
     assert not spec.corrects_engine_mismatch()
 
 
@@ -43,7 +43,7 @@ def test_the_tiny_examples_heads_of_16_sample_with_torch():
 def test_smollm2s_heads_of_64_sample_with_vllm_in_bfloat16():
     chosen, why = choose_engine(parse_spec(MINIMAL), policy(576, 9))
     assert (chosen.generation.engine, why) == ("vllm", "auto: vLLM is installed and runs it")
-    assert chosen.generation.resolved_dtype() == "bfloat16" and chosen.corrects_engine_mismatch()
+    assert chosen.generation.resolved_dtype(bfloat16_native=True) == "bfloat16" and chosen.corrects_engine_mismatch()
 
 
 @pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (`make install` installs its CPU build)")

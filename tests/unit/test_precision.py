@@ -2,10 +2,12 @@
 accumulate in float32 on the master weights; AdamW state float32; a bfloat16 reference; buffers float32 everywhere;
 float32 log-probs within a stated tolerance of float32's."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from reinforce.core.spec import TrainingSpec
+from reinforce.trainer.backends import torch_backend
 from reinforce.trainer.backends.torch_backend import TorchBackend
 from reinforce.trainer.distributed import Ranks
 
@@ -107,15 +109,19 @@ def test_bf16_keeps_float32_master_weights_and_optimizer_state(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in bf16.policy.named_parameters())
 
 
-def test_auto_is_bf16_on_the_torch_backend_and_fp32_on_megatron(tmp_path):
-    """The default, auto: the torch backend trains in bfloat16 (its reference held in bfloat16), megatron in float32;
-    an explicit precision is kept on either backend."""
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_on_the_torch_backend_where_the_cpu_has_bfloat16_and_fp32_elsewhere(tmp_path, monkeypatch, native):
+    """The default, auto: the torch backend trains in bfloat16 (its reference held in bfloat16) where the CPU
+    multiplies bfloat16 in hardware, else in float32; megatron in float32; an explicit precision is kept."""
     assert TrainingSpec().precision == "auto"
-    assert TrainingSpec().resolved_precision() == "bf16"
-    assert TrainingSpec(backend="megatron").resolved_precision() == "fp32"
-    assert TrainingSpec(precision="fp32").resolved_precision() == "fp32"
-    assert TrainingSpec(backend="megatron", precision="bf16").resolved_precision() == "bf16"
+    assert TrainingSpec().resolved_precision(native) == ("bf16" if native else "fp32")
+    assert TrainingSpec(backend="megatron").resolved_precision(native) == "fp32"
+    assert TrainingSpec(precision="fp32").resolved_precision(native) == "fp32"
+    assert TrainingSpec(backend="megatron", precision="bf16").resolved_precision(native) == "bf16"
     _backends(tmp_path)  # writes the policy
+    monkeypatch.setattr(torch_backend, "bfloat16_is_native", lambda device: native and device == "cpu")
     default = TorchBackend(TrainingSpec(), tmp_path / "policy", Ranks())
-    assert default.compute_dtype == torch.bfloat16
-    assert next(default.reference.parameters()).dtype == torch.bfloat16
+    dtype = torch.bfloat16 if native else torch.float32
+    assert default.compute_dtype == dtype
+    assert next(default.reference.parameters()).dtype == dtype
+    assert (default.compute is default.policy) is not native

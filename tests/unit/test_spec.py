@@ -219,12 +219,16 @@ def test_a_loaded_policy_too_short_for_prompt_plus_response_is_refused_at_run_st
     ],
 )
 def test_engine_defaults_resolve_by_engine(engine, algorithm, dtype, corrects):
+    """`dtype`: where the machine has bfloat16 hardware; without, auto is float32 for every engine."""
     spec = parse_spec({**MINIMAL, "generation": {"engine": engine}, "algorithm": algorithm})
-    assert spec.generation.resolved_dtype() == dtype
+    assert spec.generation.resolved_dtype(bfloat16_native=True) == dtype
+    assert spec.generation.resolved_dtype(bfloat16_native=False) == "float32"
     assert spec.corrects_engine_mismatch() is corrects
-    assert parse_spec(
-        {**MINIMAL, "generation": {"engine": engine, "dtype": "float32"}}
-    ).generation.resolved_dtype() == ("float32")
+    for native in (True, False):
+        named = parse_spec({**MINIMAL, "generation": {"engine": engine, "dtype": "float32"}}).generation
+        assert named.resolved_dtype(native) == "float32"
+        named = parse_spec({**MINIMAL, "generation": {"engine": engine, "dtype": "bfloat16"}}).generation
+        assert named.resolved_dtype(native) == "bfloat16"
 
 
 def test_lora_runs_on_the_vllm_engine():

@@ -464,8 +464,11 @@ class GenerationSpec(_Section):
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="The engine's weights and activations: auto is float32 for torch and bfloat16 for vllm and "
-        "tensorrt_llm. Log-probs are float32 either way; the trainer reports their difference from its own "
+        description="The engine's weights and activations: auto is float32 for torch; for vllm and tensorrt_llm "
+        "bfloat16 where the machine multiplies it in hardware (a GPU of compute capability 8.0 or higher, an x86 "
+        "CPU with AMX or AVX512-BF16), float32 elsewhere, where bfloat16 is emulated and slower. Each service "
+        "resolves auto on its own machine: where the trainer's and the generators' differ, name the dtype. "
+        "Log-probs are float32 either way; the trainer reports their difference from its own "
         "(`train_rollouts/logprob_mismatch`) and corrects for it (`algorithm.correct_engine_mismatch`).",
     )
     max_new_tokens: int = Field(
@@ -490,11 +493,12 @@ class GenerationSpec(_Section):
         (core/engine_choice.py), is torch."""
         return "torch" if self.engine == "auto" else self.engine
 
-    def resolved_dtype(self) -> Literal["float32", "bfloat16"]:
-        """`dtype` with auto resolved: float32 for the torch reference, bfloat16 for the fast engines."""
+    def resolved_dtype(self, bfloat16_native: bool) -> Literal["float32", "bfloat16"]:
+        """`dtype` with auto resolved: float32 for the torch reference; for the fast engines bfloat16 where the
+        machine multiplies it in hardware (`bfloat16_native`: core/hardware.py), else float32."""
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.resolved_engine() == "torch" else "bfloat16"
+        return "bfloat16" if self.resolved_engine() != "torch" and bfloat16_native else "float32"
 
 
 class LoraSpec(_Section):
@@ -520,12 +524,13 @@ class TrainingSpec(_Section):
     )
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
-        description="auto: bf16 on the torch backend, the faster of the two on CPU, and fp32 on megatron, which "
-        "trains in float32. fp32: everything float32 (bit-reproducible: set it for exactness studies and for tests "
-        "that compare runs to float32 noise). bf16 (torch backend): the policy's forward and backward on a "
-        "bfloat16 copy of its float32 master weights, gradients added up in float32 and AdamW's state float32 "
-        "(LoRA: the adapters under autocast), the reference model held in bfloat16; log-probs and the loss in "
-        "float32. "
+        description="auto: on the torch backend bf16 where the trainer's CPU multiplies bfloat16 in hardware (AMX "
+        "or AVX512-BF16), the faster of the two there, and fp32 elsewhere, where bfloat16 is emulated and slower; "
+        "fp32 on megatron, which trains in float32. fp32: everything float32 (bit-reproducible: set it for "
+        "exactness studies and for tests that compare runs to float32 noise). bf16 (torch backend): the policy's "
+        "forward and backward on a bfloat16 copy of its float32 master weights, gradients added up in float32 and "
+        "AdamW's state float32 (LoRA: the adapters under autocast), the reference model held in bfloat16; "
+        "log-probs and the loss in float32. "
         "Weight versions travel in the generators' precision (generation.dtype) either way.",
     )
     attention: Literal["auto", "sdpa", "eager"] = Field(
@@ -616,11 +621,12 @@ class TrainingSpec(_Section):
         "the end (0: only at the start and the end).",
     )
 
-    def resolved_precision(self) -> Literal["fp32", "bf16"]:
-        """`precision` with auto resolved: bf16 on the torch backend, fp32 on megatron (which trains in float32)."""
+    def resolved_precision(self, bfloat16_native: bool) -> Literal["fp32", "bf16"]:
+        """`precision` with auto resolved: bf16 on the torch backend where the trainer's CPU multiplies bfloat16 in
+        hardware (`bfloat16_native`: core/hardware.py), else fp32; fp32 on megatron (which trains in float32)."""
         if self.precision != "auto":
             return self.precision
-        return "bf16" if self.backend == "torch" else "fp32"
+        return "bf16" if self.backend == "torch" and bfloat16_native else "fp32"
 
     @property
     def data_parallel(self) -> int:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging as transformers_logging
 
 from reinforce.core.data import DataError, read_prompt_file
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.optional import MissingPackage, require_backend, require_engine
 from reinforce.core.policy import materialize_policy
 from reinforce.core.prompt_shards import read_shard_index
@@ -95,8 +96,9 @@ def _run(args: argparse.Namespace) -> int:
     paths.spec.write_text(dump_spec(spec))  # the engine chosen, for every service and a resume
     generation = spec.generation
     print(
-        f"generation engine {generation.resolved_engine()} ({generation.resolved_dtype()}; {why}); "
-        f"training precision {spec.training.resolved_precision()} (training.precision {spec.training.precision})",
+        f"generation engine {generation.resolved_engine()} ({generation.resolved_dtype(bfloat16_is_native())}; {why}); "
+        f"training precision {spec.training.resolved_precision(bfloat16_is_native('cpu'))} "
+        f"(training.precision {spec.training.precision})",
         flush=True,
     )
     code = _supervise(spec, paths)

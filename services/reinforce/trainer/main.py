@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from reinforce.core.data import read_prompt_file
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.environment_api import prompt_data
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.launch import TRAINER
 from reinforce.core.launch_flags import TrainerFlags
 from reinforce.core.lora import LORA_FORMAT
@@ -222,7 +223,8 @@ class Trainer:
             return 0.0
         _check_finite(tensors, self.step)
         # whole weights travel in the generators' precision; LoRA adapters (a few MB) as they were trained
-        dtype = None if metadata.get("format") == LORA_FORMAT else getattr(torch, self.spec.generation.resolved_dtype())
+        engine_dtype = getattr(torch, self.spec.generation.resolved_dtype(bfloat16_is_native()))
+        dtype = None if metadata.get("format") == LORA_FORMAT else engine_dtype
         weights = publish(
             tensors,
             self.paths.weights,

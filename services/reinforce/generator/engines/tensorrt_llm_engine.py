@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.policy import load_tokenizer
 from reinforce.core.spec import GenerationSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
@@ -76,7 +77,7 @@ class TensorRTLLMEngine(GenerationEngine):
         max_seq_len: int | None = None,
     ) -> None:
         super().__init__(Path(policy_dir), generation, num_samples)
-        self.dtype = generation.resolved_dtype()
+        self.dtype = generation.resolved_dtype(bfloat16_is_native("cuda"))
         self.refit_bucket_bytes = refit_bucket_bytes
         config = AutoConfig.from_pretrained(self.policy_dir, local_files_only=True)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.policy_dir)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into
 from reinforce.core.policy import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec
@@ -31,7 +32,8 @@ class TorchEngine(GenerationEngine):
     def __init__(self, policy_dir: Path, generation: GenerationSpec, num_samples: int) -> None:
         super().__init__(policy_dir, generation, num_samples)
         self.tokenizer = load_tokenizer(policy_dir)
-        self.model = load_policy(policy_dir, getattr(torch, generation.resolved_dtype()))  # weight version 0
+        dtype = getattr(torch, generation.resolved_dtype(bfloat16_is_native("cpu")))
+        self.model = load_policy(policy_dir, dtype)  # weight version 0
         self._load = module_loader(self.model)
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: each adapted module's base weight
 

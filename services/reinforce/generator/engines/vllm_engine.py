@@ -17,10 +17,11 @@ What it keeps of the torch engine's guarantees (torch_engine.py), and how:
   max_new_tokens cut it). The text is decoded from the token ids with the policy's Hugging Face tokenizer, as the
   torch engine does, not taken from vLLM (which cuts it inside a token that runs past the stop string).
 
-The weights are bfloat16 by default (generation.dtype; about twice float32's speed on CPU; the log-prob mismatch to
-the trainer's float32 recomputation is reported by the tests and benchmarks/engines.py), in eager mode
-(torch.compile costs minutes to start and gained nothing here). vLLM's CPU attention supports head sizes 32, 64,
-80, 96, 112, 128, ... only, so a tiny test model needs hidden_size / num_heads >= 32 (e.g. hidden 32, one head).
+The weights are in generation.dtype (auto: bfloat16 on bfloat16 hardware, about twice float32's speed there, and
+float32 elsewhere: core/hardware.py; the log-prob mismatch to the trainer's float32 recomputation is reported by the
+tests and benchmarks/engines.py), in eager mode (torch.compile costs minutes to start and gained nothing here).
+vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, ... only, so a tiny test model needs hidden_size
+/ num_heads >= 32 (e.g. hidden 32, one head).
 
 Refit: the worker's `reload_weights` with the file's tensors (vLLM 0.32's in-place reload; its plain `load_weights`
 fails after the first load). On CPU that reload leaves a tied LM head multiplying with a stale packed copy of the
@@ -54,6 +55,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.lora import LORA_FORMAT, adapted_modules, adapter_rank, peft_config
 from reinforce.core.policy import load_tokenizer
 from reinforce.core.spec import GenerationSpec, LoraSpec
@@ -83,7 +85,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VLLMEngine(GenerationEngine):
-    """The policy served by an in-process vLLM `LLM`, bfloat16 and eager by default."""
+    """The policy served by an in-process vLLM `LLM`, in generation.dtype, eager."""
 
     name: ClassVar[str] = "vllm"
 
@@ -107,7 +109,7 @@ class VLLMEngine(GenerationEngine):
         """
         super().__init__(Path(policy_dir), generation, num_samples)
         self.threads = _configure_threads(threads)
-        dtype = generation.resolved_dtype()
+        dtype = generation.resolved_dtype(bfloat16_is_native())
         config = AutoConfig.from_pretrained(self.policy_dir, local_files_only=True)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.policy_dir)
         self.eos_token_ids = eos_token_ids(self.policy_dir, config, self.tokenizer)

@@ -1,11 +1,12 @@
 """The torch backend: the policy and its frozen reference as Hugging Face models, AdamW, data parallelism by
 summing gradients over torchrun ranks (trainer/distributed.py).
 
-training.precision bf16 (what auto, the default, resolves to on this backend) is mixed precision as Megatron and
-FSDP run it: the policy's float32 weights are the master copy (AdamW's, its state float32 too; what checkpoints and
-weight versions hold), and every forward and backward runs on a bfloat16 copy of them (`_compute_copy`), so
-activations and their elementwise work are bfloat16 as well as the matmuls; each backward's bfloat16 gradients are
-added into float32 gradients of the master weights, and the copy takes the new weights after each optimizer step.
+training.precision bf16 (what auto, the default, resolves to on this backend where the CPU multiplies bfloat16 in
+hardware: core/hardware.py) is mixed precision as Megatron and FSDP run it: the policy's float32 weights are the
+master copy (AdamW's, its state float32 too; what checkpoints and weight versions hold), and every forward and
+backward runs on a bfloat16 copy of them (`_compute_copy`), so activations and their elementwise work are bfloat16
+as well as the matmuls; each backward's bfloat16 gradients are added into float32 gradients of the master weights,
+and the copy takes the new weights after each optimizer step.
 A LoRA policy trains its adapters under autocast instead (its frozen base is the reference). The frozen reference
 is a bfloat16 copy. Buffers stay float32 in every copy (why: core/policy.py's with_parameters_in).
 logprobs.response_logprobs takes the log-softmax in float32 either way.
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
 from reinforce.core.optim import adamw
 from reinforce.core.policy import load_policy
@@ -51,7 +53,8 @@ class TorchBackend(TrainerBackend):
         self.ranks = ranks
         self.policy_dir = policy_dir
         self.policy = load_policy(policy_dir).train()
-        self.compute_dtype = torch.bfloat16 if training.resolved_precision() == "bf16" else torch.float32
+        precision = training.resolved_precision(bfloat16_is_native("cpu"))
+        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.peft = None
         if training.lora is not None:
             # LoRA: PEFT injects adapters into self.policy in place; the reference is the same model with the
