@@ -400,8 +400,10 @@ def render(results: dict) -> str:
         "",
         "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
         "settings: " + _settings_text(results["runs"]) + "; `the defaults` sets nothing (generation.engine auto "
-        "chose vLLM, training.precision auto bf16). In every `reinforce run` row the run's processes take turns, so "
-        "their OpenMP threads spin before they sleep (docs/concepts.md, CPU threads). Load: the mean 1-minute load "
+        "chose vLLM, and generation.dtype and training.precision auto bfloat16: each machine's bfloat16 matmul peak "
+        "shows bfloat16 hardware, where auto picks it, core/hardware.py). In every `reinforce run` row the run's "
+        "processes take turns, so their OpenMP threads spin before they sleep (docs/concepts.md, CPU threads). "
+        "Load: the mean 1-minute load "
         "average while the run ran (2 usable "
         "CPUs: above 2, other work competed for them).",
         "",
