@@ -10,13 +10,13 @@ review prompts of examples/data/reviews.jsonl in the chat template, k = 4 sample
 tokens, no stop strings, temperature 1, lr 3e-5, KL coefficient 0.03, one optimizer step per rollout batch, and
 TRL's RLOO choices on our side (`baseline_samples: all`, signed KL). TRL runs in float32 and with `bf16=True` (its
 autocast, float32 master weights), both without gradient checkpointing (RLOOConfig's default turns it on: at 135M it
-only costs time); our ratios are to the faster of the two. `reinforce run` runs in the
-configurations of OURS: `the defaults` (sets nothing: generation.engine auto picks vLLM for SmolLM2, training
-bf16), then each named by the sampler and training precision it sets: `bf16, vLLM sampler`,
-`fp32, torch sampler` (the exactness configuration), `bf16, torch sampler` (its learning curve beside fp32's on the
-same seed) and `tuned` (vLLM and bf16 with the whole step in one micro-batch). Each repeat
-runs TRL, then `reinforce run`, one after the other so that none competes with another for the cores; the mean
-1-minute load average during each run is recorded beside it (other work on a shared machine slows both sides).
+only costs time); our ratios are to the faster of the two. `reinforce run` runs in the configurations of OURS: `the
+defaults` (sets nothing: generation.engine auto picks vLLM for SmolLM2, and generation.dtype and training.precision
+auto bfloat16 on bfloat16 hardware, float32 elsewhere), then each named by the sampler and training precision it
+sets: `bf16, vLLM sampler`, `fp32, torch sampler` (the exactness configuration), `bf16, torch sampler` (its learning
+curve beside fp32's on the same seed) and `tuned` (vLLM and bf16 with the whole step in one micro-batch). Each
+repeat runs TRL, then `reinforce run`, one after the other so that none competes with another for the cores; the
+mean 1-minute load average during each run is recorded beside it (other work on a shared machine slows both sides).
 Repeat n runs both with seed 1 + n - 1 (`--append` numbers its repeats after the saved ones), so repeats differ in
 their prompts' order and their samples: a time to a reward is one learning curve's, and the medians over repeats
 (printed and in BENCHMARKS.md once there are two) say more than any one of them.
@@ -25,11 +25,12 @@ their prompts' order and their samples: a time to a reward is one learning curve
 Printed and saved (benchmarks/results/vs_trl.json, then BENCHMARKS.md): seconds per step (median, the first step
 left out as warm-up), completions/s, response tokens/s, peak RSS of each process, the mean reward of the first 3 and
 the last 3 steps, the wall time (sum of step times) until the 3-step mean reward first reaches 0.7, the ratios to
-TRL, the measured float32 and bfloat16 matmul peaks, and the training phase's share of the bfloat16 peak
-(6 x weights x tokens the model computes per step, over `timers/train_time`: each prompt once, each response
-token, the LM head on response tokens only; attention's own products left out). Beside the 2048x2048 peak, the
-policy's own matmul peak: bfloat16 GFLOP/s of its linear layers' shapes (the forward product and both backward
-ones) at 2048 rows, what the training phase could reach if it did nothing but its matmuls.
+TRL, the measured float32 and bfloat16 matmul peaks, and the training phase's share of the peak of the precision
+it trained in (which `reinforce run` prints at start; 6 x weights x tokens the model computes per step, over
+`timers/train_time`: each prompt once, each response token, the LM head on response tokens only; attention's own
+products left out). Beside the 2048x2048 peaks, the policy's own matmul peaks: GFLOP/s of its linear layers' shapes
+(the forward product and both backward ones) at 2048 rows in either precision, what the training phase could reach
+if it did nothing but its matmuls.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ TARGET_REWARD = 0.7
 # our runs: what each sets beyond the comparison's settings; render() marks the one equal to the spec's defaults
 OURS = {
     "the defaults": {},
-    "bf16, vLLM sampler": {"generation": {"engine": "vllm"}, "training": {"precision": "bf16"}},
+    "bf16, vLLM sampler": {"generation": {"engine": "vllm", "dtype": "bfloat16"}, "training": {"precision": "bf16"}},
     "fp32, torch sampler": {"generation": {"engine": "torch"}, "training": {"precision": "fp32"}},
     "bf16, torch sampler": {"generation": {"engine": "torch"}, "training": {"precision": "bf16"}},
     "tuned": {
-        "generation": {"engine": "vllm"},
+        "generation": {"engine": "vllm", "dtype": "bfloat16"},
         "training": {"precision": "bf16", "micro_batch_tokens": None},
     },
 }
@@ -200,11 +201,13 @@ def matmul_peak_gflops(dtype_name: str, n: int = 2048, seconds: float = 3.0) -> 
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
 
 
-def model_matmul_gflops(policy: Path, rows: int = 2048, seconds_per_shape: float = 1.0) -> float:
-    """bfloat16 GFLOP/s of the policy's linear layers at `rows` tokens: each distinct (in, out) shape timed for the
-    forward product x @ W.T and the backward's g @ W and g.T @ x, weighted by how often the model has it."""
+def model_matmul_gflops(policy: Path, dtype_name: str, rows: int = 2048, seconds_per_shape: float = 1.0) -> float:
+    """GFLOP/s of the policy's linear layers at `rows` tokens in dtype_name (fp32, bf16): each distinct (in, out)
+    shape timed for the forward product x @ W.T and the backward's g @ W and g.T @ x, weighted by how often the model
+    has it."""
     import torch
 
+    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype_name])
     c = json.loads((policy / "config.json").read_text())
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or hidden // heads
@@ -217,8 +220,8 @@ def model_matmul_gflops(policy: Path, rows: int = 2048, seconds_per_shape: float
     counts[(hidden, c["vocab_size"])] = counts.get((hidden, c["vocab_size"]), 0) + 1
     flops = seconds = 0.0
     for (n_in, n_out), count in counts.items():
-        x, w = torch.randn(rows, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
-        g = torch.randn(rows, n_out, dtype=torch.bfloat16)
+        x, w = torch.randn(rows, n_in, dtype=dtype), torch.randn(n_out, n_in, dtype=dtype)
+        g = torch.randn(rows, n_out, dtype=dtype)
         products = ((x, w.T), (g, w), (g.T, x))
         for a, b in products:
             a @ b  # warm-up
@@ -335,6 +338,7 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, our
         if process.wait() != 0:
             raise SystemExit(f"reinforce run failed; log {run_dir / 'logs'}")
     rows = [r for r in read_metrics(RunPaths(run_dir).metrics) if "train_rollouts/rewards" in r]
+    precisions = _precisions((work / f"reinforce-{slug}.log").read_text())
     tokens = [r["train_rollouts/response_lengths"] * s.k * s.prompts_per_step for r in rows]
     result = summarize([r["train_rollouts/rewards"] for r in rows], [r["timers/step_time"] for r in rows], tokens, s)
     phases = ("generate", "reward", "init_logprobs", "train_time", "weight_publish")
@@ -349,7 +353,15 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, our
     result["fraction_properly_ended"] = statistics.mean(
         r["train_rollouts/fraction_of_samples_properly_ended"] for r in rows
     )
-    return {**result, **rss.stop()}
+    return {**result, **precisions, **rss.stop()}
+
+
+def _precisions(log: str) -> dict[str, str]:
+    """{"generation_dtype", "precision"}: what auto resolved to, from the line `reinforce run` prints at start."""
+    found = re.search(r"generation engine \w+ \((\w+);.*training precision (\w+) ", log)
+    if found is None:
+        raise SystemExit("reinforce run printed no generation engine / training precision line")
+    return {"generation_dtype": found[1], "precision": found[2]}
 
 
 def _matmul_parameters(policy: Path) -> tuple[int, int]:
@@ -368,10 +380,11 @@ def _matmul_parameters(policy: Path) -> tuple[int, int]:
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
-def compare(trl: dict | None, ours: dict, bf16_peak: float, model_peak: float | None = None) -> dict:
-    """Our run against TRL's (when there is one), and its training phase against the bfloat16 matmul peaks."""
+def compare(trl: dict | None, ours: dict, peak: float, model_peak: float | None = None) -> dict:
+    """Our run against TRL's (when there is one), and its training phase against the matmul peaks of the precision
+    it trained in."""
     achieved = ours["train_tflop_per_step"] * 1e3 / ours["phase_seconds"]["train_time"]
-    ratios = {"train_gflops": achieved, "train_share_of_bf16_peak": achieved / bf16_peak}
+    ratios = {"train_gflops": achieved, "train_share_of_peak": achieved / peak}
     if model_peak:
         ratios["train_share_of_model_peak"] = achieved / model_peak
     if trl is not None:
@@ -400,15 +413,16 @@ def render(results: dict) -> str:
         "",
         "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
         "settings: " + _settings_text(results["runs"]) + "; `the defaults` sets nothing (generation.engine auto "
-        "chose vLLM, and generation.dtype and training.precision auto bfloat16: each machine's bfloat16 matmul peak "
-        "shows bfloat16 hardware, where auto picks it, core/hardware.py). In every `reinforce run` row the run's "
+        "chose vLLM; generation.dtype and training.precision auto pick bfloat16 on bfloat16 hardware, float32 "
+        "elsewhere, core/hardware.py: " + _defaults_text(results["runs"]) + "). In every `reinforce run` row the run's "
         "processes take turns, so their OpenMP threads spin before they sleep (docs/concepts.md, CPU threads). "
         "Load: the mean 1-minute load "
         "average while the run ran (2 usable "
         "CPUs: above 2, other work competed for them).",
         "",
         "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
-        "| vs TRL's best completions/s | training share of bf16 peak | of the policy's matmul peak | peak RSS MiB "
+        "| vs TRL's best completions/s | training share of its precision's matmul peak | of the policy's "
+        "| peak RSS MiB "
         "| load |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -420,7 +434,7 @@ def render(results: dict) -> str:
             f"{r['response_tokens_per_s']:.0f} | {r['reward_first3']:.3f} | {r['reward_last3']:.3f} | "
             f"{'not reached' if to_target is None else f'{to_target:.0f}'} | "
             f"{_fmt(c.get('completions_per_s_vs_trl'), '{:.2f}x')} | "
-            f"{_fmt(c.get('train_share_of_bf16_peak'), '{:.0%}')} | "
+            f"{_fmt(c.get('train_share_of_peak'), '{:.0%}')} | "
             f"{_fmt(c.get('train_share_of_model_peak'), '{:.0%}')} "
             f"| {_rss_cell(r['peak_rss_mib'])} | {_fmt(r.get('load_average'), '{:.1f}')} |"
         )
@@ -457,13 +471,22 @@ def _compared(run: dict, results: dict) -> dict:
     """compare() for one of our runs against the fastest TRL run of its repeat (none: no ratios); {} for TRL's."""
     if "ours" not in run:
         return run.get("compare", {})  # results saved before the runs named their repeat carry their own
-    peaks = _peaks(run, results)
+    peaks, precision = _peaks(run, results), _precision(run)
     return compare(
-        _trl_best(results, run["repeat"]), run["result"], peaks["bf16_gflops"], peaks.get("model_bf16_gflops")
+        _trl_best(results, run["repeat"]),
+        run["result"],
+        peaks[f"{precision}_gflops"],
+        peaks.get(f"model_{precision}_gflops"),
     )
 
 
-PEAKS = ("fp32_gflops", "bf16_gflops", "model_bf16_gflops")
+def _precision(run: dict) -> str:
+    """The training precision of one of our runs (runs saved before runs recorded theirs: bf16, what every one of
+    them trained in)."""
+    return run["result"].get("precision", "bf16")
+
+
+PEAKS = ("fp32_gflops", "bf16_gflops", "model_fp32_gflops", "model_bf16_gflops")
 
 
 def _peaks(run: dict, results: dict) -> dict[str, float]:
@@ -479,10 +502,14 @@ def _peaks_text(results: dict) -> str:
     for peaks, repeats in measured.items():
         p = dict(peaks)
         text = f"float32 {p['fp32_gflops']:.0f} GFLOP/s, bfloat16 {p['bf16_gflops']:.0f} GFLOP/s"
-        if "model_bf16_gflops" in p:
-            text += f"; the policy's linear layers in bfloat16 at 2048 rows: {p['model_bf16_gflops']:.0f} GFLOP/s"
+        models = [f"{name} {p[f'model_{key}_gflops']:.0f}" for key, name in DTYPES if f"model_{key}_gflops" in p]
+        if models:
+            text += f"; the policy's linear layers at 2048 rows: {', '.join(models)} GFLOP/s"
         texts.append(text + (f" ({_numbered(repeats)})" if len(measured) > 1 else ""))
     return "Matmul peak (2048x2048), measured beside the runs: " + "; ".join(texts) + "."
+
+
+DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"))
 
 
 def _trl_best(results: dict, repeat: int) -> dict | None:
@@ -492,14 +519,17 @@ def _trl_best(results: dict, repeat: int) -> dict | None:
 
 
 def over_repeats(results: dict) -> dict[str, dict[str, list[float]]]:
-    """For each of our configurations run in two or more repeats beside TRL: its ratios to TRL's best in each repeat
-    (completions/s; TRL's seconds to the reward target over ours, where both reached it; reward last 3 minus TRL's)."""
+    """For each of our configurations run in two or more repeats beside TRL (one trained in another precision than
+    bf16 counted apart: `the defaults, fp32` on a machine without bfloat16 hardware): its ratios to TRL's best in each
+    repeat (completions/s; TRL's seconds to the reward target over ours, where both reached it; reward last 3 minus
+    TRL's)."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for run in results["runs"]:
         trl = _trl_best(results, run["repeat"]) if "ours" in run else None
         if trl is None:
             continue
-        ours, mine = run["result"], ratios.setdefault(run["ours"], {"speed": [], "to_target": [], "reward": []})
+        config = run["ours"] if _precision(run) == "bf16" else f"{run['ours']}, {_precision(run)}"
+        ours, mine = run["result"], ratios.setdefault(config, {"speed": [], "to_target": [], "reward": []})
         compared = _compared(run, results)  # the main table's ratios of this run
         mine["speed"].append(compared["completions_per_s_vs_trl"])
         mine["reward"].append(compared["reward_last3_minus_trl"])
@@ -542,6 +572,14 @@ def _run_name(run: dict) -> str:
     if "ours" not in run:
         return run["name"]
     return f"reinforce run, {run['ours']} #{run['repeat']}"
+
+
+def _defaults_text(runs: list[dict]) -> str:
+    """What auto resolved to in each repeat of `the defaults` (runs saved before runs recorded it: bfloat16, each of
+    those machines' bfloat16 matmul peak three times its float32 one)."""
+    defaults = [run for run in runs if run.get("ours") == "the defaults"]
+    resolved = _repeats_by(defaults, lambda run: run["result"].get("generation_dtype", "bfloat16"))
+    return ", ".join(f"{dtype} in {_numbered(repeats)}" for dtype, repeats in resolved.items())
 
 
 def _settings_text(runs: list[dict]) -> str:
@@ -633,8 +671,8 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
-        info["model_bf16_gflops"] = model_matmul_gflops(policy)
-        results["machine"].setdefault("model_bf16_gflops", info["model_bf16_gflops"])
+        for key, _ in DTYPES:
+            info[f"model_{key}_gflops"] = model_matmul_gflops(policy, key)
         peaks = {name: info[name] for name in PEAKS}  # this invocation's: its runs' shares are of these
         first = 1 + max((run["repeat"] for run in runs), default=0)
         commit = _commit()
