@@ -411,13 +411,13 @@ def render(results: dict) -> str:
         f"lr {s['lr']}, beta {s['beta']}, {s['steps']} steps; s/step is the median over the steps after the first. "
         f"Repeat n (#n) samples with seed {s['seed']} + n - 1." + _commits_text(results["runs"]),
         "",
-        "Ratios are to TRL's faster configuration of the same repeat. What each `reinforce run` row sets beyond these "
-        "settings: " + _settings_text(results["runs"]) + "; `the defaults` sets nothing (generation.engine auto "
-        "chose vLLM; generation.dtype and training.precision auto pick bfloat16 on bfloat16 hardware, float32 "
-        "elsewhere, core/hardware.py: " + _defaults_text(results["runs"]) + "). In every `reinforce run` row the run's "
-        "processes take turns, so their OpenMP threads spin before they sleep (docs/concepts.md, CPU threads). "
-        "Load: the mean 1-minute load "
-        "average while the run ran (2 usable "
+        "Ratios are to TRL's faster configuration of the same repeat" + _single_trl_text(results["runs"]) + ". "
+        "What each `reinforce run` row sets beyond these settings: " + _settings_text(results["runs"]) + "; "
+        "`the defaults` sets nothing (generation.engine auto chose vLLM; generation.dtype and training.precision "
+        "auto pick bfloat16 on bfloat16 hardware, float32 elsewhere, core/hardware.py: "
+        + _defaults_text(results["runs"])
+        + "). In every `reinforce run` row the run's processes take turns, so their OpenMP threads spin before they "
+        "sleep (docs/concepts.md, CPU threads). Load: the mean 1-minute load average while the run ran (2 usable "
         "CPUs: above 2, other work competed for them).",
         "",
         "| run | s/step | completions/s | response tok/s | reward first 3 | reward last 3 | s to 3-step mean 0.7 "
@@ -572,6 +572,16 @@ def _run_name(run: dict) -> str:
     if "ours" not in run:
         return run["name"]
     return f"reinforce run, {run['ours']} #{run['repeat']}"
+
+
+def _single_trl_text(runs: list[dict]) -> str:
+    """The repeats in which TRL ran in one precision only (`--trl-precisions`), and which."""
+    precisions: dict[int, list[str]] = {}
+    for run in runs:
+        if "trl" in run:
+            precisions.setdefault(run["repeat"], []).append(run["trl"])
+    single = [f"#{repeat}: {ran[0]}" for repeat, ran in precisions.items() if len(ran) == 1]
+    return f" (TRL ran in one precision only in {', '.join(single)})" if single else ""
 
 
 def _defaults_text(runs: list[dict]) -> str:
