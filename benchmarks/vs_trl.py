@@ -55,6 +55,7 @@ from sections import write_section  # the standard library only: the TRL environ
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "vs_trl.json"
 TARGET_REWARD = 0.7
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # a precision's name -> its torch dtype's
 # our runs: what each sets beyond the comparison's settings; render() marks the one equal to the spec's defaults
 OURS = {
     "the defaults": {},
@@ -191,7 +192,7 @@ def _process_name(cmdline: list[str]) -> str:
 def matmul_peak_gflops(dtype_name: str, n: int = 2048, seconds: float = 3.0) -> float:
     import torch
 
-    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype_name])
+    dtype = getattr(torch, DTYPES[dtype_name])
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
     start, count = time.perf_counter(), 0
@@ -207,7 +208,7 @@ def model_matmul_gflops(policy: Path, dtype_name: str, rows: int = 2048, seconds
     has it."""
     import torch
 
-    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype_name])
+    dtype = getattr(torch, DTYPES[dtype_name])
     c = json.loads((policy / "config.json").read_text())
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or hidden // heads
@@ -502,14 +503,11 @@ def _peaks_text(results: dict) -> str:
     for peaks, repeats in measured.items():
         p = dict(peaks)
         text = f"float32 {p['fp32_gflops']:.0f} GFLOP/s, bfloat16 {p['bf16_gflops']:.0f} GFLOP/s"
-        models = [f"{name} {p[f'model_{key}_gflops']:.0f}" for key, name in DTYPES if f"model_{key}_gflops" in p]
+        models = [f"{name} {p[f'model_{k}_gflops']:.0f}" for k, name in DTYPES.items() if f"model_{k}_gflops" in p]
         if models:
             text += f"; the policy's linear layers at 2048 rows: {', '.join(models)} GFLOP/s"
         texts.append(text + (f" ({_numbered(repeats)})" if len(measured) > 1 else ""))
     return "Matmul peak (2048x2048), measured beside the runs: " + "; ".join(texts) + "."
-
-
-DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"))
 
 
 def _trl_best(results: dict, repeat: int) -> dict | None:
@@ -681,7 +679,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         policy, prompts = prepare(work, s)
-        for key, _ in DTYPES:
+        for key in DTYPES:
             info[f"model_{key}_gflops"] = model_matmul_gflops(policy, key)
         peaks = {name: info[name] for name in PEAKS}  # this invocation's: its runs' shares are of these
         first = 1 + max((run["repeat"] for run in runs), default=0)
