@@ -359,10 +359,10 @@ def run_reinforce(work: Path, policy: Path, prompts: list[str], s: Settings, our
 
 def _precisions(log: str) -> dict[str, str]:
     """{"generation_dtype", "precision"}: what auto resolved to, from the line `reinforce run` prints at start."""
-    found = re.search(r"generation engine \w+ \((\w+);.*training precision (\w+) ", log)
-    if found is None:
-        raise SystemExit("reinforce run printed no generation engine / training precision line")
-    return {"generation_dtype": found[1], "precision": found[2]}
+    from reinforce.supervisor.main import resolved_choices
+
+    choices = resolved_choices(log)
+    return {"generation_dtype": choices["generation_dtype"], "precision": choices["precision"]}
 
 
 def _matmul_parameters(policy: Path) -> tuple[int, int]:

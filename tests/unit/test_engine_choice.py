@@ -7,7 +7,9 @@ from transformers import LlamaConfig
 
 from reinforce.core.spec import parse_spec
 from reinforce.supervisor import engine_choice
+from reinforce.supervisor import main as supervisor_main
 from reinforce.supervisor.engine_choice import choose_engine
+from reinforce.supervisor.main import choices_line, resolved_choices
 
 MINIMAL = {"name": "t", "policy": {"random_init": {}}, "data": {"prompts": "p.txt"}}
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
@@ -60,3 +62,23 @@ def test_without_vllm_installed_the_choice_is_torch(monkeypatch):
     monkeypatch.setattr(engine_choice.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
     chosen, why = choose_engine(parse_spec(MINIMAL), policy(576, 9))
     assert (chosen.generation.engine, why) == ("torch", "auto: vLLM is not installed")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bfloat16 hardware", "none"])
+@pytest.mark.parametrize("heads", [9, 36], ids=["SmolLM2's heads of 64", "heads of 16"])
+def test_the_line_run_prints_reads_back_as_what_auto_chose(monkeypatch, native, heads):
+    """benchmarks/vs_trl.py records each run's resolved dtype and precision from this line (resolved_choices)."""
+    monkeypatch.setattr(supervisor_main, "bfloat16_is_native", lambda device=None: native)
+    spec, why = choose_engine(parse_spec(MINIMAL), policy(576, heads))
+    output = f"run folder r; preparing the initial policy ...\n{choices_line(spec, why)}\n  0%|  | 0/2 [00:00<?]"
+    assert resolved_choices(output) == {
+        "engine": spec.generation.resolved_engine(),
+        "generation_dtype": spec.generation.resolved_dtype(native),
+        "precision": spec.training.resolved_precision(native),
+    }
+    assert resolved_choices(output)["precision"] == ("bf16" if native else "fp32")
+
+
+def test_output_without_the_line_is_refused():
+    with pytest.raises(ValueError, match="no 'generation engine"):
+        resolved_choices("run folder r; preparing the initial policy ...\nerror: the disk is full")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import re
 import signal
 import sys
 from pathlib import Path
@@ -94,17 +95,38 @@ def _run(args: argparse.Namespace) -> int:
     _check_fits_policy(spec, spec_file, policy_config)
     spec, why = choose_engine(spec, policy_config)
     paths.spec.write_text(dump_spec(spec))  # the engine chosen, for every service and a resume
-    generation = spec.generation
-    print(
-        f"generation engine {generation.resolved_engine()} ({generation.resolved_dtype(bfloat16_is_native())}; {why}); "
-        f"training precision {spec.training.resolved_precision(bfloat16_is_native('cpu'))} "
-        f"(training.precision {spec.training.precision})",
-        flush=True,
-    )
+    print(choices_line(spec, why), flush=True)
     code = _supervise(spec, paths)
     if code == 0:
         print_summary(paths)
     return code
+
+
+# What choices_line prints, read back by `resolved_choices` (benchmarks/vs_trl.py records each run's).
+CHOICES_LINE = re.compile(
+    r"^generation engine (?P<engine>\w+) \((?P<generation_dtype>\w+); .*\); "
+    r"training precision (?P<precision>\w+) \(",
+    re.MULTILINE,
+)
+
+
+def choices_line(spec: RunSpec, why: str) -> str:
+    """The line `reinforce run` prints at start: the generation engine and dtype, and the training precision, as
+    auto resolved them on this machine (`why`: how the engine was chosen)."""
+    generation = spec.generation
+    return (
+        f"generation engine {generation.resolved_engine()} ({generation.resolved_dtype(bfloat16_is_native())}; {why}); "
+        f"training precision {spec.training.resolved_precision(bfloat16_is_native('cpu'))} "
+        f"(training.precision {spec.training.precision})"
+    )
+
+
+def resolved_choices(output: str) -> dict[str, str]:
+    """{"engine", "generation_dtype", "precision"} from the choices_line in a run's output."""
+    found = CHOICES_LINE.search(output)
+    if found is None:
+        raise ValueError("the output has no 'generation engine ... training precision ...' line (choices_line)")
+    return found.groupdict()
 
 
 def _spec(args: argparse.Namespace) -> tuple[RunSpec, Path]:
