@@ -171,6 +171,8 @@ def test_compose_environment_is_confined_as_the_operators_pod():
     assert env["read_only"] is pod["readOnlyRootFilesystem"] is True
     assert env["cap_drop"] == pod["capabilities"]["drop"] == ["ALL"]
     assert env["security_opt"] == ["no-new-privileges:true"] and pod["allowPrivilegeEscalation"] is False
+    sysctls = {s["name"]: s["value"] for s in children.ENVIRONMENT_SYSCTLS}
+    assert {name: str(value) for name, value in env["sysctls"].items()} == sysctls
     # it starts as root only to bind its socket where the tools' code cannot replace it, then runs as the pod's user
     assert env["user"] == "0:0" and sorted(env["cap_add"]) == ["SETGID", "SETUID"]
     assert env["tmpfs"] == [f"{children.SCRATCH_DIR}:size=64m,mode=1777"] and env["pids_limit"] > 0

@@ -8,8 +8,10 @@ Unix socket on its volume): each attempt must be contained there too, by the con
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -444,6 +446,37 @@ def test_escape_100_mb_print(sandboxed: Server) -> None:
     rss_kb = int(next(line for line in Path(f"/proc/{sandboxed.pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS")).split()[1])  # fmt: skip
     assert rss_kb < 400_000  # the service kept the first bytes only
+
+
+# System V shared memory: a segment of 64 MB, written and left (its id printed); then whether a key still finds one.
+SHARED_MEMORY = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+    "shm = libc.shmget({key}, 64 << 20, 0o1000 | 0o600)\naddress = libc.shmat(shm, None, 0)\n"
+    "ctypes.memset(address, 1, 64 << 20)\nprint(shm)"
+)
+SHARED_MEMORY_FOUND = "import ctypes\nprint(ctypes.CDLL(None).shmget({key}, 0, 0))"
+
+
+def test_escape_shared_memory_left_behind(sandboxed: Server) -> None:
+    """A shared memory segment outlives its process unless removed: left by a call, its pages would stay in memory
+    outside every limit, call after call. Namespaced calls have an IPC namespace of their own (unshare --ipc); in
+    the container, the calls share its namespace, where kernel.shm_rmid_forced (docker-compose.yml, as the operator's
+    pod) ends a segment with its last user."""
+    isolation = sandboxed.get("/readyz").json()["isolation"]
+    if isolation == "none" and not sandboxed.container:
+        pytest.skip("calls share this machine's IPC namespace: only a pod or container confines it")
+    key = secrets.randbelow(1 << 30) + 1
+    libc = ctypes.CDLL(None)
+    try:
+        out = python(sandboxed, SHARED_MEMORY.format(key=key))
+        assert out["exit_code"] == 0 and int(out["text"]) >= 0, out  # it made and filled one
+        later = python(sandboxed, SHARED_MEMORY_FOUND.format(key=key))
+        assert later["text"].strip() == "-1", later  # the next call finds none
+        if not sandboxed.container:
+            assert libc.shmget(key, 0, 0) == -1  # nor does this machine
+    finally:
+        if not sandboxed.container and (left := libc.shmget(key, 0, 0)) >= 0:
+            libc.shmctl(left, 0, None)  # IPC_RMID: a failure leaves nothing behind
 
 
 # A daemon: setsid and a double fork take it out of the call's process group (which the time limit's kill ends), its

@@ -108,6 +108,8 @@ def test_the_environment_pod_is_locked_down(algorithm: str) -> None:
     assert restricted_violations(pod) == []
     assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    # the tool calls' System V shared memory ends with them (their IPC namespace is the pod's)
+    assert pod["securityContext"]["sysctls"] == [{"name": "kernel.shm_rmid_forced", "value": "1"}]
     [c] = pod["containers"]
     context = c["securityContext"]
     assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False

@@ -25,6 +25,11 @@ CHART_MONITORING = CHART_TEMPLATES / "monitoring.yaml"
 RESTRICTED_VOLUME_TYPES = {
     "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
 }  # fmt: skip
+# the baseline profile's "safe" sysctls (restricted includes baseline)
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range",
+}  # fmt: skip
 
 
 def restricted_violations(pod: dict[str, Any]) -> list[str]:
@@ -35,6 +40,7 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         if not kinds <= RESTRICTED_VOLUME_TYPES:
             found.append(f"volume {volume['name']}: {kinds - RESTRICTED_VOLUME_TYPES}")
     pod_context = pod.get("securityContext", {})
+    found += [f"sysctl {s['name']}" for s in pod_context.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS]
     for c in pod["containers"] + pod.get("initContainers", []):
         context = {**pod_context, **c.get("securityContext", {})}
         name = c["name"]

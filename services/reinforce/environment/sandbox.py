@@ -8,10 +8,12 @@ Each call runs `python -I jail.py` (see jail.py for what it does, in order) with
     (RLIMIT_FSIZE), processes (RLIMIT_NPROC), 64 open files, no core files; and the wall-clock time limit, past
     which the call's whole process tree is killed;
   - the strongest isolation the kernel allows, found once at start (`detect_isolation`):
-      namespaces       (root) `unshare --net --pid --mount`: no network (only a loopback that is down), no other
-                       process visible, every mount read-only but its own tmpfs folders, the run folder hidden;
-                       and a uid of its own per concurrent call (SANDBOX_UID_BASE + slot), so it owns nothing
-                       outside its scratch folder and RLIMIT_NPROC counts that call's processes only;
+      namespaces       (root) `unshare --net --pid --mount --ipc`: no network (only a loopback that is down), no
+                       other process visible, every mount read-only but its own tmpfs folders, the run folder
+                       hidden, System V IPC objects and POSIX message queues of its own that end with it (a shared
+                       memory segment would otherwise keep its pages after the call, outside every limit); and a
+                       uid of its own per concurrent call (SANDBOX_UID_BASE + slot), so it owns nothing outside its
+                       scratch folder and RLIMIT_NPROC counts that call's processes only;
       user_namespaces  (not root, unprivileged user namespaces allowed) the same namespaces in a user namespace
                        of its own (`--map-root-user`), but the process keeps the service's uid: RLIMIT_NPROC
                        counts every process of that uid;
@@ -20,7 +22,10 @@ Each call runs `python -I jail.py` (see jail.py for what it does, in order) with
                        process that leaves the call's process group escapes the call's kill but not the sweep
                        after it: the service (`python -m reinforce.environment`) is a child subreaper, so what a
                        call leaves behind is reparented to it, and once a call ends it kills every child that is
-                       no live call (`kill_strays`); until then such a process runs beside the other calls. The
+                       no live call (`kill_strays`); until then such a process runs beside the other calls. Calls
+                       share the service's IPC namespace: a System V shared memory segment outlives its call unless
+                       the namespace has kernel.shm_rmid_forced=1, which the operator's environment pod and
+                       docker-compose's environment container set (the segment then ends with its last user). The
                        service makes itself non-dumpable, so its own /proc/PID/environ stays unreadable to them.
 In namespaces, killing `unshare` (its child is PID 1 of the new PID namespace, with --kill-child) ends every
 process the code started, detached or not.
@@ -50,7 +55,7 @@ log = logging.getLogger("reinforce.environment")
 
 Isolation = Literal["namespaces", "user_namespaces", "none"]
 JAIL = Path(__file__).with_name("jail.py")
-NAMESPACE_FLAGS = ("--net", "--pid", "--mount", "--fork", "--kill-child")
+NAMESPACE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--fork", "--kill-child")
 SANDBOX_UID_BASE = 61000  # root only: call slot i runs as uid/gid SANDBOX_UID_BASE + i
 PATH = "/usr/local/bin:/usr/bin:/bin"
 DRAIN_AFTER_KILL_S = 2.0  # after the kill, how long the output pipes may take to close

@@ -126,6 +126,10 @@ CONTAINER_SECURITY_CONTEXT = {
 }
 # The environment service runs model-written code: nothing it runs may change the image's files either.
 ENVIRONMENT_SECURITY_CONTEXT = {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True}
+# Tool calls share the environment pod's IPC namespace: with shm_rmid_forced a System V shared memory segment ends
+# with the last process attached to it, not with the pod (a call's would keep its pages outside every limit). One of
+# Kubernetes' safe sysctls: it is the pod's IPC namespace's own, the node's is untouched.
+ENVIRONMENT_SYSCTLS = [{"name": "kernel.shm_rmid_forced", "value": "1"}]
 SCRATCH_DIR = "/tmp"  # the environment pod's only writable folder (tempfile's default: each tool call's folder)
 # Unset environment resources: what the service itself takes beside its tool calls' memory, and what it asks for.
 ENVIRONMENT_SERVICE_MEMORY_MIB = 512
@@ -837,6 +841,7 @@ def environment_deployment(run: Run) -> dict[str, Any]:
     # No other Service's address in its environment: a tool call's code sees none of it (the sandbox empties the
     # environment anyway), and the service needs none.
     template["spec"]["enableServiceLinks"] = False
+    template["spec"]["securityContext"] = {**POD_SECURITY_CONTEXT, "sysctls": ENVIRONMENT_SYSCTLS}
     return _deployment(run, COMPONENT_ENVIRONMENT, 1, template)
 
 
