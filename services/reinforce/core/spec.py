@@ -427,7 +427,12 @@ class EnvironmentSpec(_Section):
         "where it is a tmpfs of its own (namespaced sandboxes).",
     )
     max_processes: int = Field(
-        16, ge=1, description="python: processes and threads the code may run at once (RLIMIT_NPROC)."
+        16,
+        ge=1,
+        description="python: processes and threads at once (RLIMIT_NPROC), which the kernel counts per uid: as root, "
+        "per call slot (each has a uid of its own, the same in every environment service on the machine); otherwise "
+        "every process and thread of the service's uid on the machine counts, in Kubernetes every pod's of that uid "
+        "on the node.",
     )
     max_concurrent_calls: int = Field(
         4, ge=1, description="Tool calls run at once; more wait their turn (the wait is not on their time limit)."

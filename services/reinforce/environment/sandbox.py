@@ -13,7 +13,8 @@ Each call runs `python -I jail.py` (see jail.py for what it does, in order) with
                        hidden, System V IPC objects and POSIX message queues of its own that end with it (a shared
                        memory segment would otherwise keep its pages after the call, outside every limit); and a
                        uid of its own per concurrent call (SANDBOX_UID_BASE + slot), so it owns nothing outside its
-                       scratch folder and RLIMIT_NPROC counts that call's processes only;
+                       scratch folder and RLIMIT_NPROC counts that call's processes only (and those of the same
+                       slot in another environment service on the machine: its uids are the same);
       user_namespaces  (not root, unprivileged user namespaces allowed) the same namespaces in a user namespace
                        of its own (`--map-root-user`), but the process keeps the service's uid: RLIMIT_NPROC
                        counts every process of that uid;
