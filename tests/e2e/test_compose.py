@@ -173,14 +173,15 @@ def test_compose_environment_is_confined_as_the_operators_pod():
     assert env["security_opt"] == ["no-new-privileges:true"] and pod["allowPrivilegeEscalation"] is False
     sysctls = {s["name"]: s["value"] for s in children.ENVIRONMENT_SYSCTLS}
     assert {name: str(value) for name, value in env["sysctls"].items()} == sysctls
-    # it starts as root only to bind its socket where the tools' code cannot replace it, then runs as the pod's user
+    # it starts as root only to bind its socket where the tools' code cannot replace it, then runs as a uid of its own
+    # (the base of the pod's: the other containers' uid would count their threads against its calls' max_processes)
     assert env["user"] == "0:0" and sorted(env["cap_add"]) == ["SETGID", "SETUID"]
     assert env["tmpfs"] == [f"{children.SCRATCH_DIR}:size=64m,mode=1777"] and env["pids_limit"] > 0
     spec = EnvironmentSpec()  # the memory the pod gets by default (operator/children.py _environment_resources)
     memory_mib = spec.max_concurrent_calls * spec.memory_limit_mb + children.ENVIRONMENT_SERVICE_MEMORY_MIB
     assert env["mem_limit"] == f"{memory_mib}m"
     uds = environment_socket(env)
-    flags = EnvironmentFlags(uds=uds, run_as=f"{children.RUN_AS_USER}:{children.RUN_AS_USER}")
+    flags = EnvironmentFlags(uds=uds, run_as=f"{children.ENVIRONMENT_UID_BASE}:{children.RUN_AS_USER}")
     assert env["command"] == launch.ENVIRONMENT.command("python", SPEC_IN_CONTAINER, flags)
     assert uds == f"{SOCKET_DIR}/api.sock" and f"environment-socket:{SOCKET_DIR}:rw" in env["volumes"]
     assert uds in env["healthcheck"]["test"] and launch.ENVIRONMENT.ready_path in env["healthcheck"]["test"][-1]

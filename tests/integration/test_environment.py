@@ -40,6 +40,7 @@ from reinforce.core.environment_client import (
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 from reinforce.core.spec import dump_spec, parse_spec
 from reinforce.environment.sandbox import SANDBOX_UID_BASE
+from reinforce.operator import children
 from reinforce.supervisor.children import PROMETHEUS_TARGETS, Children
 
 T = TypeVar("T")
@@ -400,7 +401,7 @@ def test_escape_read_the_parents_environment_and_run_folder(sandboxed: Server) -
 
 def test_escape_replace_the_api_socket(sandboxed: Server) -> None:
     """In its container the service is reached through a Unix socket, and the tools' code runs as the service's uid:
-    the service binds the socket as root in root's folder, then runs as user 1000 with no capability left (--run-as),
+    the service binds the socket as root in root's folder, then runs as user 100000 with no capability left (--run-as),
     so that code cannot remove the socket or put a listener of its own in its place."""
     if not sandboxed.container:
         pytest.skip("the local service listens on TCP")
@@ -415,9 +416,9 @@ def test_escape_replace_the_api_socket(sandboxed: Server) -> None:
     )
     out = python(sandboxed, code)
     uid, *attempts = out["text"].splitlines()
-    assert uid == "1000" and attempts == [f"refused {n} Permission denied" for n in ("unlink", "rename", "bind")], out
+    assert uid == "100000" and attempts == [f"refused {n} Permission denied" for n in ("unlink", "rename", "bind")], out
     status = dict(line.split(":", 1) for line in Path(f"/proc/{sandboxed.pid}/status").read_text().splitlines())
-    assert status["Uid"].split() == ["1000"] * 4 and int(status["CapEff"], 16) == 0, status
+    assert status["Uid"].split() == ["100000"] * 4 and int(status["CapEff"], 16) == 0, status
     assert sandboxed.get("/readyz").status_code == 200
 
 
@@ -477,6 +478,31 @@ def test_escape_shared_memory_left_behind(sandboxed: Server) -> None:
     finally:
         if not sandboxed.container and (left := libc.shmget(key, 0, 0)) >= 0:
             libc.shmctl(left, 0, None)  # IPC_RMID: a failure leaves nothing behind
+
+
+# A process that holds many threads (a trainer's, say) until its stdin closes; it says when they run.
+THREAD_HOLDER = (
+    "import sys, threading\nfor _ in range(40):\n    threading.Thread(target=sys.stdin.read, daemon=True).start()\n"
+    "print('holding', flush=True)\nsys.stdin.read()"
+)
+FORK = "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: the threads run as the run pods' uid")
+def test_threads_of_the_run_pods_uid_leave_a_call_its_process_limit(sandboxed: Server) -> None:
+    """The kernel counts RLIMIT_NPROC (max_processes, 16 here) over every process and thread of a uid on the machine,
+    and every run pod and container but the environment's runs as uid 1000: 40 threads of that uid (fewer than a
+    trainer has) must not leave a tool call unable to start a process."""
+    holder = subprocess.Popen(
+        ["/usr/bin/python3", "-c", THREAD_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        user=children.RUN_AS_USER, group=children.RUN_AS_USER,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        out = python(sandboxed, FORK)
+        assert out["exit_code"] == 0 and out["text"].strip() == "forked", out
+    finally:
+        holder.communicate(timeout=30)
 
 
 # A daemon: setsid and a double fork take it out of the call's process group (which the time limit's kill ends), its

@@ -6,6 +6,7 @@ test_operator.py applies such a run to a real API server."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -107,7 +108,12 @@ def test_the_environment_pod_is_locked_down(algorithm: str) -> None:
     pod = pod_templates(objects)["tiny-environment"]["spec"]
     assert restricted_violations(pod) == []
     assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    context = pod["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsGroup"] == 1000
+    # a uid of the run's own, not the one every other run pod has (1000): RLIMIT_NPROC counts a uid's tasks node-wide
+    assert 100_000 <= context["runAsUser"] < 100_000 + 2**20
+    other = children(replace(run_of(algorithm=algorithm, changes=ENABLED), uid="uid-2"))
+    assert pod_templates(other)["tiny-environment"]["spec"]["securityContext"]["runAsUser"] != context["runAsUser"]
     # the tool calls' System V shared memory ends with them (their IPC namespace is the pod's)
     assert pod["securityContext"]["sysctls"] == [{"name": "kernel.shm_rmid_forced", "value": "1"}]
     [c] = pod["containers"]

@@ -40,6 +40,7 @@ deletes them. These builders are pure functions of the run: the operator's recon
 from __future__ import annotations
 
 import secrets
+import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -126,6 +127,11 @@ CONTAINER_SECURITY_CONTEXT = {
 }
 # The environment service runs model-written code: nothing it runs may change the image's files either.
 ENVIRONMENT_SECURITY_CONTEXT = {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True}
+# The environment pod's uid is its run's own (ENVIRONMENT_UID_BASE plus a hash of the run's uid), not RUN_AS_USER
+# (still its group): the kernel counts a tool call's RLIMIT_NPROC (environment.max_processes) over every process and
+# thread of its uid on the node, and under the uid every other run pod has, a trainer's threads would leave the calls
+# none (not a thread for `import numpy`, not a subprocess).
+ENVIRONMENT_UID_BASE, ENVIRONMENT_UIDS = 100_000, 1 << 20
 # Tool calls share the environment pod's IPC namespace: with shm_rmid_forced a System V shared memory segment ends
 # with the last process attached to it, not with the pod (a call's would keep its pages outside every limit). One of
 # Kubernetes' safe sysctls: it is the pod's IPC namespace's own, the node's is untouched.
@@ -823,6 +829,11 @@ def environment_service(run: Run) -> dict[str, Any]:
     return _service(run, COMPONENT_ENVIRONMENT, {"http": p.environment, "metrics": p.environment_metrics})
 
 
+def environment_uid(run: Run) -> int:
+    """The environment pod's uid: its run's own, the same whenever the pod starts again (a hash of the run's uid)."""
+    return ENVIRONMENT_UID_BASE + zlib.crc32(run.uid.encode()) % ENVIRONMENT_UIDS
+
+
 def environment_deployment(run: Run) -> dict[str, Any]:
     """One environment pod: its episodes live in its memory, so a second replica behind the Service would answer
     404 for the first one's episodes. It holds the environment token alone (launch.ENVIRONMENT.credentials)."""
@@ -841,7 +852,11 @@ def environment_deployment(run: Run) -> dict[str, Any]:
     # No other Service's address in its environment: a tool call's code sees none of it (the sandbox empties the
     # environment anyway), and the service needs none.
     template["spec"]["enableServiceLinks"] = False
-    template["spec"]["securityContext"] = {**POD_SECURITY_CONTEXT, "sysctls": ENVIRONMENT_SYSCTLS}
+    template["spec"]["securityContext"] = {
+        **POD_SECURITY_CONTEXT,
+        "runAsUser": environment_uid(run),
+        "sysctls": ENVIRONMENT_SYSCTLS,
+    }
     return _deployment(run, COMPONENT_ENVIRONMENT, 1, template)
 
 
