@@ -108,14 +108,14 @@ def test_the_environment_pod_is_locked_down(algorithm: str) -> None:
     pod = pod_templates(objects)["tiny-environment"]["spec"]
     assert restricted_violations(pod) == []
     assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
-    context = pod["securityContext"]
-    assert context["runAsNonRoot"] is True and context["runAsGroup"] == 1000
+    pod_context = pod["securityContext"]
+    assert pod_context["runAsNonRoot"] is True and pod_context["runAsGroup"] == 1000
     # a uid of the run's own, not the one every other run pod has (1000): RLIMIT_NPROC counts a uid's tasks node-wide
-    assert 100_000 <= context["runAsUser"] < 100_000 + 2**20
+    assert 100_000 <= pod_context["runAsUser"] < 100_000 + 2**20
     other = children(replace(run_of(algorithm=algorithm, changes=ENABLED), uid="uid-2"))
-    assert pod_templates(other)["tiny-environment"]["spec"]["securityContext"]["runAsUser"] != context["runAsUser"]
+    assert pod_templates(other)["tiny-environment"]["spec"]["securityContext"]["runAsUser"] != pod_context["runAsUser"]
     # the tool calls' System V shared memory ends with them (their IPC namespace is the pod's)
-    assert pod["securityContext"]["sysctls"] == [{"name": "kernel.shm_rmid_forced", "value": "1"}]
+    assert pod_context["sysctls"] == [{"name": "kernel.shm_rmid_forced", "value": "1"}]
     [c] = pod["containers"]
     context = c["securityContext"]
     assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
