@@ -61,6 +61,7 @@ from reinforce.operator.children import (
     OperatorConfig,
     Run,
     children,
+    environment_uid,
     generator_port,
     secrets_secret,
     trainer_stateful_set,
@@ -829,9 +830,19 @@ def test_a_tools_run_gets_a_locked_down_environment_service(operator_env: Operat
     assert {(kind, name.removeprefix("tiny-")) for kind, name in children} == KINDS | ENVIRONMENT_KINDS
     p = operator_env.ports
     serialize = cluster.core.api_client.sanitize_for_serialization
+    body = cluster.run()
+    run = Run(
+        "tiny",
+        cluster.namespace,
+        body["metadata"]["uid"],
+        ReinforceRunSpec.model_validate({**body["spec"], "name": "tiny"}),
+        OperatorConfig(),
+    )
     for spec in (serialize(children[("Deployment", "tiny-environment")].spec.template.spec), serialize(pod.spec)):
         assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
-        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"][
+            "runAsUser"
+        ] == environment_uid(run)
         [container] = spec["containers"]
         context = container["securityContext"]
         assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
