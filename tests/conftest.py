@@ -17,8 +17,7 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 # Tests that share something machine-wide run one after another, in one xdist worker (`make test` runs two):
 # dockerd, its images and the single-node cluster (tests/e2e), and the environment sandbox's uids
-# (SANDBOX_UID_BASE + slot), whose process limit counts every process of that uid on the machine, and which the
-# zombie test looks for machine-wide.
+# (from SANDBOX_UID_BASE up), which the zombie test looks for machine-wide.
 ONE_AT_A_TIME = (
     "tests/e2e/",
     "tests/integration/test_environment.py",

@@ -38,7 +38,7 @@ from reinforce.core.environment_client import (
     unix_socket,
 )
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
-from reinforce.core.spec import dump_spec, parse_spec
+from reinforce.core.spec import EnvironmentSpec, dump_spec, parse_spec
 from reinforce.environment.sandbox import SANDBOX_UID_BASE
 from reinforce.operator import children
 from reinforce.supervisor.children import PROMETHEUS_TARGETS, Children
@@ -503,6 +503,25 @@ def test_threads_of_the_run_pods_uid_leave_a_call_its_process_limit(sandboxed: S
         assert out["exit_code"] == 0 and out["text"].strip() == "forked", out
     finally:
         holder.communicate(timeout=30)
+
+
+UID = "import os\nprint(os.getuid())"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: only root gives each call slot a uid of its own")
+def test_two_environment_services_never_run_calls_as_the_same_uid(server: Server, tmp_path: Path) -> None:
+    """The kernel counts RLIMIT_NPROC per uid: a second service on the machine whose calls ran as the first one's
+    uids would count the first one's calls against their limit. Calls one after another take each slot in turn."""
+    slots = EnvironmentSpec().max_concurrent_calls
+    other = start_server(tmp_path)
+    try:
+        first = {int(python(server, UID)["text"]) for _ in range(slots)}
+        second = {int(python(other, UID)["text"]) for _ in range(slots)}
+    finally:
+        other.process.terminate()
+        other.process.wait(10)
+    assert len(first) == len(second) == slots and not first & second, (first, second)
+    assert min(first | second) >= SANDBOX_UID_BASE
 
 
 # A daemon: setsid and a double fork take it out of the call's process group (which the time limit's kill ends), its

@@ -430,7 +430,7 @@ class EnvironmentSpec(_Section):
         16,
         ge=1,
         description="python: processes and threads at once (RLIMIT_NPROC), which the kernel counts per uid: as root, "
-        "per call slot (each has a uid of its own, the same in every environment service on the machine); otherwise "
+        "per call slot (each has a uid of its own, which no other environment service on the machine holds); otherwise "
         "every process and thread of the service's uid on the machine counts (the operator's environment pod runs as "
         "a uid of its run's own).",
     )

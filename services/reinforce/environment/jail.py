@@ -11,8 +11,8 @@ confinement holds, so it must not run anything it does not need. In order:
      folder), and a /proc of the new PID namespace (no other process, so no other process's environment, is
      seen); nothing written outlives the call;
   3. as root: drop to the call's own uid/gid and no supplementary groups, so nothing outside the scratch folder
-     that root owns is writable, and RLIMIT_NPROC counts this call's processes only (and those of the same slot
-     in another environment service on the machine: its uids are the same);
+     that root owns is writable, and RLIMIT_NPROC counts this call's processes only (no other environment
+     service on the machine holds that uid: sandbox.claim_uids);
   4. no new privileges (setuid binaries do not raise them), resource limits (CPU seconds, address space, file
      size, processes, open files, no core files);
   5. run the code as __main__; a traceback shows the code's frames only.

@@ -12,9 +12,9 @@ Each call runs `python -I jail.py` (see jail.py for what it does, in order) with
                        other process visible, every mount read-only but its own tmpfs folders, the run folder
                        hidden, System V IPC objects and POSIX message queues of its own that end with it (a shared
                        memory segment would otherwise keep its pages after the call, outside every limit); and a
-                       uid of its own per concurrent call (SANDBOX_UID_BASE + slot), so it owns nothing outside its
-                       scratch folder and RLIMIT_NPROC counts that call's processes only (and those of the same
-                       slot in another environment service on the machine: its uids are the same);
+                       uid of its own per concurrent call (claim_uids: from SANDBOX_UID_BASE up, none that another
+                       environment service on the machine holds), so it owns nothing outside its scratch folder and
+                       RLIMIT_NPROC counts that call's processes only;
       user_namespaces  (not root, unprivileged user namespaces allowed) the same namespaces in a user namespace
                        of its own (`--map-root-user`), but the process keeps the service's uid: RLIMIT_NPROC
                        counts every process of that uid;
@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import json
 import logging
 import math
@@ -46,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -57,7 +59,8 @@ log = logging.getLogger("reinforce.environment")
 Isolation = Literal["namespaces", "user_namespaces", "none"]
 JAIL = Path(__file__).with_name("jail.py")
 NAMESPACE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--fork", "--kill-child")
-SANDBOX_UID_BASE = 61000  # root only: call slot i runs as uid/gid SANDBOX_UID_BASE + i
+SANDBOX_UID_BASE = 61000  # root only: the lowest uid/gid a call runs as (claim_uids)
+UID_LOCKS = Path("/run/reinforce-sandbox-uids")  # root only: a lock file per sandbox uid, held by the service using it
 PATH = "/usr/local/bin:/usr/bin:/bin"
 DRAIN_AFTER_KILL_S = 2.0  # after the kill, how long the output pipes may take to close
 PR_SET_DUMPABLE = 4
@@ -102,6 +105,34 @@ def _unshare_prefix(isolation: Isolation) -> list[str]:
     unshare = shutil.which("unshare") or "unshare"
     extra = ["--map-root-user"] if isolation == "user_namespaces" else []
     return [unshare, *extra, *NAMESPACE_FLAGS, "--"]
+
+
+def claim_uids(count: int, locks: Path = UID_LOCKS) -> tuple[list[int], list[int]]:
+    """`count` uids for the calls of this service (root only), from SANDBOX_UID_BASE up, skipping those another
+    environment service on the machine holds: the kernel counts RLIMIT_NPROC per uid, so two services sharing a
+    uid would count each other's calls. Each uid is held by an exclusive flock on its own file in `locks`, which the
+    kernel drops when the holder's process ends (a killed service frees its uids). Returns (the uids, the lock
+    files' descriptors: keep them open while the uids are in use)."""
+    locks.mkdir(mode=0o700, parents=True, exist_ok=True)
+    uids: list[int] = []
+    held: list[int] = []
+    uid = SANDBOX_UID_BASE
+    while len(uids) < count:
+        fd = os.open(locks / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+        else:
+            uids.append(uid)
+            held.append(fd)
+        uid += 1
+    return uids, held
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def detect_isolation() -> Isolation:
@@ -196,6 +227,10 @@ class Sandbox:
         self.hidden = [str(p.resolve()) for p in hidden]
         self.isolation: Isolation = isolation or detect_isolation()
         self.prefix = _unshare_prefix(self.isolation)
+        self.uids: list[int] = []
+        if os.getuid() == 0:
+            self.uids, locks = claim_uids(slots)
+            weakref.finalize(self, _close_all, locks)
         self.python = self._choose_python()
         self.free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(slots):
@@ -207,8 +242,8 @@ class Sandbox:
             become_subreaper()
 
     def _uid(self, slot: int) -> int:
-        if os.getuid() == 0:
-            return SANDBOX_UID_BASE + slot
+        if self.uids:
+            return self.uids[slot]
         return 0 if self.isolation == "user_namespaces" else os.getuid()  # root of its own user namespace
 
     def _choose_python(self) -> str:
