@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
-from reinforce.core.environment_api import holds_tool_call
+from reinforce.core.environment_api import Observation, holds_tool_call
 from reinforce.core.spec import SpecError, parse_spec
 from reinforce.environment.sandbox import RunResult
 from reinforce.environment.tools import (
+    CALCULATE_TIMEOUT_S,
+    MAX_INT_BITS,
+    MAX_ROUND_DIGITS,
     Calculator,
     ToolCall,
     ToolError,
@@ -95,13 +100,44 @@ def test_calculator_evaluates_arithmetic(expression: str, value: float | None) -
     "expression",
     ["__import__('os').system('true')", "().__class__", "open('/etc/passwd')", "lambda: 1", "[1, 2]", "'a' * 3",
      "9 ** 9 ** 9", "10 ** 5000", "factorial(10 ** 6)", "1 / 0", "sqrt(-1)", "(-8) ** 0.5", "1e308 * 10 ** 400",
-     "x" * 501, "1 +"],
+     "x" * 501, "1 +", "round(2, -10 ** 8)", "round(2, 10 ** 8)", "round(2.5, 1.5)"],
 )  # fmt: skip
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expression: str) -> None:
     start = time.perf_counter()
     with pytest.raises(ToolError, match=r"^error: "):
         calculate(expression)
     assert time.perf_counter() - start < 0.1  # refused before any large computation
+
+
+def test_calculator_gives_up_at_its_deadline_between_operations() -> None:
+    """The second wall behind the bounds: a long chain of bounded operations stops once the deadline has passed."""
+    expression = " + ".join(["factorial(500) % 7"] * 16)
+    assert calculate(expression) == 0  # 500! is a multiple of 7
+    with pytest.raises(ToolError, match="took over"):
+        calculate(expression, timeout_s=0.0)
+
+
+def test_calculator_runs_off_the_event_loop() -> None:
+    """The service's other episodes go on while a call is evaluated: the loop ticks during Calculator.step."""
+
+    async def ticks_during_a_call() -> tuple[Observation, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        calculator = Calculator(None)  # type: ignore[arg-type]  # the calculator needs no sandbox
+        observation = await calculator.step({"expression": " + ".join(["factorial(500) % 7"] * 16)})
+        ticker.cancel()
+        return observation, ticks
+
+    observation, ticks = asyncio.run(ticks_during_a_call())
+    assert observation.text == "0" and ticks > 1
 
 
 def test_python_observation_says_stderr_exit_and_timeout() -> None:
@@ -128,3 +164,10 @@ def test_spec_names_a_bad_tool_list() -> None:
         parse_spec({**MINIMAL, "environment": {"tools": ["python", "python"]}})
     with pytest.raises(SpecError, match=r"environment\.time_limit_s"):
         parse_spec({**MINIMAL, "environment": {"time_limit_s": 0}})
+
+
+def test_the_docs_state_the_calculators_bounds_as_the_code_has_them() -> None:
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "environments.md").read_text().split())
+    assert f"integers over {MAX_INT_BITS} bits" in docs
+    assert f"`round`'s digits past {MAX_ROUND_DIGITS}" in docs
+    assert f"gives up after {CALCULATE_TIMEOUT_S:g} s" in docs

@@ -22,11 +22,13 @@ thread runs to its end). Raise `ToolError` to answer the model with an error it 
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import json
 import math
 import operator
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -113,6 +115,11 @@ def python_observation(result: RunResult, time_limit_s: float) -> Observation:
 # ---- the calculator: arithmetic on a parsed expression, never eval ----------------------------------------------
 MAX_EXPRESSION_CHARS = 500
 MAX_INT_BITS = 4096  # larger integers are refused: 9**9**9 must not take the service's CPU
+# round(2, -10**8) computes 10**(10**8): ndigits past a 4096-bit integer's 1234 decimal digits changes nothing
+MAX_ROUND_DIGITS = math.ceil(MAX_INT_BITS * math.log10(2))
+# Each operation is bounded above; the deadline is the second wall: an expression is evaluated off the event loop
+# (so no call can stall the service's other episodes) and gives up between operations once it has passed.
+CALCULATE_TIMEOUT_S = 1.0
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -122,10 +129,18 @@ _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
+
+
+def _round(number: int | float, ndigits: int | float | None = None) -> int | float:
+    if ndigits is not None and (not isinstance(ndigits, int) or abs(ndigits) > MAX_ROUND_DIGITS):
+        raise ToolError(f"error: round's digits must be an integer within +-{MAX_ROUND_DIGITS}")
+    return round(number, ndigits)
+
+
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "abs": abs,
-    "round": round,
+    "round": _round,
     "min": min,
     "max": max,
     "sqrt": math.sqrt,
@@ -155,31 +170,34 @@ def _power(base: int | float, exponent: int | float) -> int | float:
     return base**exponent
 
 
-def _evaluate(node: ast.AST) -> int | float:
+def _evaluate(node: ast.AST, deadline: float) -> int | float:
+    if time.monotonic() > deadline:
+        raise ToolError(f"error: the expression took over {CALCULATE_TIMEOUT_S:g} s")
     if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
+        return _evaluate(node.body, deadline)
     if isinstance(node, ast.Constant):
         return _checked(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _evaluate(node.left), _evaluate(node.right)
+        left, right = _evaluate(node.left, deadline), _evaluate(node.right, deadline)
         fn = _power if isinstance(node.op, ast.Pow) else _BINARY[type(node.op)]
         return _checked(fn(left, right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _checked(_UNARY[type(node.op)](_evaluate(node.operand)))
+        return _checked(_UNARY[type(node.op)](_evaluate(node.operand, deadline)))
     if isinstance(node, ast.Name) and node.id in _CONSTANTS:
         return _CONSTANTS[node.id]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
         if node.keywords:
             raise ToolError("error: functions take positional arguments only")
-        args = [_evaluate(arg) for arg in node.args]
+        args = [_evaluate(arg, deadline) for arg in node.args]
         if node.func.id == "factorial" and args and args[0] > 500:
             raise ToolError("error: factorial of more than 500")
         return _checked(_FUNCTIONS[node.func.id](*args))
     raise ToolError(f"error: {ast.unparse(node)!r} is not arithmetic")
 
 
-def calculate(expression: str) -> int | float:
-    """+ - * / // % ** and parentheses on numbers, pi and e, and the functions of _FUNCTIONS."""
+def calculate(expression: str, timeout_s: float = CALCULATE_TIMEOUT_S) -> int | float:
+    """+ - * / // % ** and parentheses on numbers, pi and e, and the functions of _FUNCTIONS; ToolError for anything
+    else, and for an evaluation still running after `timeout_s`."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ToolError(f"error: an expression over {MAX_EXPRESSION_CHARS} characters")
     try:
@@ -187,7 +205,7 @@ def calculate(expression: str) -> int | float:
     except SyntaxError as err:
         raise ToolError(f"error: not an expression ({err.msg})") from None
     try:
-        return _evaluate(tree)
+        return _evaluate(tree, time.monotonic() + timeout_s)
     except (ArithmeticError, ValueError, TypeError) as err:  # 1/0, sqrt(-1), min() ...
         raise ToolError(f"error: {err}") from None
 
@@ -198,7 +216,7 @@ class Calculator(Tool):
     parameters: ClassVar[dict[str, Any]] = CALCULATOR_TOOL["parameters"]
 
     async def step(self, arguments: dict[str, Any]) -> Observation:
-        value = calculate(_argument(arguments, "expression"))
+        value = await asyncio.to_thread(calculate, _argument(arguments, "expression"))
         text = str(int(value)) if isinstance(value, float) and value.is_integer() and abs(value) < 1e15 else str(value)
         return Observation(text=text, tool=self.name)
 
