@@ -18,9 +18,9 @@ import inspect
 import math
 import numbers
 import re
-import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol
 
 from reinforce.core.environment_client import EnvironmentClient
@@ -91,20 +91,10 @@ def math_answer(prompts: list[str], responses: list[str], answers: list[str]) ->
     return [float(f is not None and same_answer(f, a)) for f, a in zip(found, answers, strict=True)]
 
 
-# Code: the response's last ```python block, run with the prompt's tests in the environment service's sandbox.
+# Code: the response's last ```python block, judged against the prompt's tests in the environment service's sandbox by
+# judge.py, whose source is the program: the solution runs in a process of its own, the tests in the judge's.
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
-# Solution and tests run in one namespace, their stdout discarded; the random marker printed after them proves the
-# tests ran to their end: a solution that calls sys.exit(0) or os._exit(0) first exits 0 without it.
-_HARNESS = """import contextlib, io
-class _Sink(io.TextIOBase):
-    def write(self, text):
-        return len(text)
-_namespace = {{"__name__": "solution"}}
-with contextlib.redirect_stdout(_Sink()):
-    exec(compile({solution!r}, "solution.py", "exec"), _namespace)
-    exec(compile({tests!r}, "tests.py", "exec"), _namespace)
-print({marker!r})
-"""
+JUDGE_SOURCE = (Path(__file__).parent / "judge.py").read_text()
 # One request's wait: for a free call slot (environment.max_concurrent_calls), then for the program's time limit.
 CODE_TESTS_TIMEOUT_S = 600.0
 
@@ -115,9 +105,9 @@ def final_code(response: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def checking_program(solution: str, tests: str, marker: str) -> str:
-    """A program that runs `solution`, then `tests` (asserts) in its namespace, then prints `marker`."""
-    return _HARNESS.format(solution=solution, tests=tests, marker=marker)
+def checking_program(solution: str, tests: str) -> str:
+    """A program that exits with 0 exactly when `tests` (asserts) ran to their end against `solution` (judge.py)."""
+    return f"{JUDGE_SOURCE}\njudge({solution!r}, {tests!r}, {JUDGE_SOURCE!r})\n"
 
 
 def code_tests(
@@ -144,9 +134,8 @@ async def _run_tests(solutions: list[str | None], tests: list[str], url: str, to
         async def passes(solution: str | None, test: str) -> float:
             if solution is None:
                 return 0.0
-            marker = secrets.token_hex(16)  # unknown to the solution until it runs
-            result = await env.run(checking_program(solution, test, marker))
-            return float(result.exit_code == 0 and result.stdout.rstrip("\n").endswith(marker))
+            result = await env.run(checking_program(solution, test))
+            return float(result.exit_code == 0 and not result.timed_out)
 
         return list(await asyncio.gather(*(passes(s, t) for s, t in zip(solutions, tests, strict=True))))
 
