@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
+import pytest
+
+from reinforce.core.metrics import read_metrics
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.samples import (
     discard_samples_after,
@@ -14,6 +18,7 @@ from reinforce.core.samples import (
     sample_steps,
     write_samples,
 )
+from reinforce.core.spec import SpecError
 
 
 def test_the_best_and_the_worst_come_first_then_the_first_others_in_order():
@@ -59,3 +64,27 @@ def test_a_sample_for_people_shows_its_numbers_and_quoted_texts_cut_to_length():
         '  response: "aaaaaaaaaa" ... (50 characters)',
     ]
     assert "advantage -  KL -" in format_sample(_row(1, advantage=None, kl=None))
+
+
+def test_malformed_samples_files_are_named_with_their_line(tmp_path):
+    """The red team's R4-13: a stray file name, a truncated line or a row of another shape is no traceback, and a
+    FIFO in a file's place is no hang (read_samples opened it for reading, which waits for a writer forever)."""
+    paths = RunPaths(tmp_path)
+    write_samples(paths, 1, [_row(1)])
+    (paths.samples / "step-abc.jsonl").write_text("{}\n")  # not the trainer's name: not a step
+    assert sample_steps(paths) == [1]
+    paths.samples_file(2).write_text(json.dumps(_row(2)) + '\n{"step": 2, "pick"')
+    with pytest.raises(SpecError, match=rf"{paths.samples_file(2)}:2: not a JSON line"):
+        read_samples(paths, 2)
+    paths.samples_file(3).write_text('{"step": 3}\n')
+    with pytest.raises(SpecError, match=rf"{paths.samples_file(3)}:1: not a sample row \(missing pick, "):
+        read_samples(paths, 3)
+    os.mkfifo(paths.samples_file(4))
+    with pytest.raises(SpecError, match="not a regular file"):
+        read_samples(paths, 4)
+
+
+def test_a_fifo_in_place_of_metrics_reads_as_no_rows(tmp_path, caplog):
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    assert "is not a regular file" in caplog.text

@@ -316,6 +316,9 @@ def read_metrics(jsonl_path: Path) -> list[dict[str, float | None]]:
     """
     if not jsonl_path.exists():
         return []
+    if not jsonl_path.is_file():  # a FIFO or a device would block the read, or never end it
+        log.warning("%s is not a regular file: no metrics read", jsonl_path)
+        return []
     # A last line without its newline is still being written by the trainer: it is read next time.
     complete = jsonl_path.read_text(errors="replace").rpartition("\n")[0]
     rows = []

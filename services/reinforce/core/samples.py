@@ -18,6 +18,7 @@ from typing import Any
 
 from reinforce.core.durable import write_text_atomically
 from reinforce.core.run_dir import RunPaths
+from reinforce.core.spec import SpecError
 
 SAMPLE_KEYS = (
     "step", "pick", "prompt_id", "prompt", "response", "reward", "advantage", "kl", "response_tokens", "is_end",
@@ -51,13 +52,29 @@ def samples_jsonl(rows: list[dict[str, Any]]) -> str:
 
 
 def sample_steps(paths: RunPaths) -> list[int]:
-    """The steps that have a samples file, in order."""
-    return sorted(int(p.stem.removeprefix("step-")) for p in paths.samples.glob("step-*.jsonl"))
+    """The steps that have a samples file (step-NNNNNN.jsonl; other names are not the trainer's), in order."""
+    names = (p.stem.removeprefix("step-") for p in paths.samples.glob("step-*.jsonl"))
+    return sorted(int(name) for name in names if name.isdigit())
 
 
 def read_samples(paths: RunPaths, step: int) -> list[dict[str, Any]]:
+    """The step's samples; SpecError naming the file (and line) where it is not a regular file of sample rows."""
     path = paths.samples_file(step)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():  # a FIFO or a device would block the read, or never end it
+        raise SpecError(f"{path}: not a regular file")
+    rows = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise SpecError(f"{path}:{number}: not a JSON line ({err})") from None
+        missing = [key for key in SAMPLE_KEYS if not isinstance(row, dict) or key not in row]
+        if missing:
+            raise SpecError(f"{path}:{number}: not a sample row (missing {', '.join(missing)})")
+        rows.append(row)
+    return rows
 
 
 def discard_samples_after(paths: RunPaths, step: int) -> None:

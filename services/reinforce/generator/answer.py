@@ -10,15 +10,17 @@ RUN_DIR/weights keeps it, else the torch backend's checkpoint of that step.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
 from transformers.utils import logging as transformers_logging
 
 from reinforce.core.environment_api import prompt_data
 from reinforce.core.prompt_encoding import encode_prompt
 from reinforce.core.run_dir import RunPaths
-from reinforce.core.spec import RunSpec, SpecError, load_spec
+from reinforce.core.spec import GenerationSpec, RunSpec, SpecError, load_spec
 from reinforce.core.weights import weight_path
 from reinforce.generator.engines.base import SampledSequence
 from reinforce.generator.engines.torch_engine import TorchEngine
@@ -45,7 +47,10 @@ def answer(
     spec = load_spec(paths.spec)
     generation = spec.generation
     if max_new_tokens is not None:
-        generation = generation.model_copy(update={"max_new_tokens": max_new_tokens})
+        try:  # within generation.max_new_tokens's own bounds
+            generation = GenerationSpec.model_validate({**generation.model_dump(), "max_new_tokens": max_new_tokens})
+        except ValidationError as err:
+            raise SpecError(f"--max-new-tokens {max_new_tokens}: {err.errors()[0]['msg']}") from None
     if step is None:
         if not paths.final_model.exists():
             raise SpecError(f"{paths.final_model}: no final model yet (the run has not finished); pass --checkpoint")
@@ -87,6 +92,6 @@ def add_generate_command(commands: argparse._SubParsersAction) -> None:
 def _check_generate_arguments(args: argparse.Namespace) -> str | None:
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         return "--max-new-tokens must be at least 1"
-    if args.temperature is not None and args.temperature < 0:
-        return "--temperature must be 0 (greedy) or more"
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature must be a number, 0 (greedy) or more, not {args.temperature}"
     return None
