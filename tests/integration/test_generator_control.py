@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -369,6 +370,28 @@ def serve_control_plane(gen: Generator) -> tuple[str, uvicorn.Server]:
         assert time.monotonic() < deadline, "the control plane did not start"
         time.sleep(0.02)
     return f"http://127.0.0.1:{port}", server
+
+
+def test_a_version_superseded_while_it_is_pushed_is_no_warning(gen: Generator, spec: RunSpec, caplog) -> None:
+    """The red team's R4-16: the trainer publishes v2 between the reconciler's read of v1 and its request, and the
+    generator answers 409 (not the published version). An expected race is logged at INFO, without httpx's text,
+    not as a WARNING through the progress bar; any other refusal still warns."""
+    v1 = publish_in_run(gen, perturbed_policy(spec, seed=1), version=1)
+    publish_in_run(gen, perturbed_policy(spec, seed=2), version=2)
+    url, server = serve_control_plane(gen)
+    reconciler = WeightReconciler(gen.queue, {gen.name: url}, TOKEN)
+    try:
+        with caplog.at_level(logging.INFO, logger="reinforce.rollout"):
+            reconciler._push(gen.name, url, v1, None)
+            assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+                ("INFO", f"generator {gen.name}: version 1 is no longer the published one; the next pass asks")
+            ]
+            caplog.clear()
+            WeightReconciler(gen.queue, {gen.name: url}, "a wrong token")._push(gen.name, url, v1, None)
+            assert [r.levelname for r in caplog.records] == ["WARNING"] and "(401)" in caplog.text
+    finally:
+        reconciler.close()
+        server.should_exit = True
 
 
 def test_the_reconciler_relays_a_version_along_a_chain_of_generators(spec: RunSpec, redis_url: str) -> None:

@@ -152,9 +152,17 @@ class WeightReconciler:
     def _push(self, name: str, url: str, weights: WeightVersion, relay_sources: list[str] | None) -> None:
         body = api.load_request_json(weights, relay_sources)
         try:
-            self.client.post(f"{url}{api.WEIGHTS_PATH}", json=body).raise_for_status()
+            reply = self.client.post(f"{url}{api.WEIGHTS_PATH}", json=body)
         except httpx.HTTPError as err:
             log.warning("generator %s: cannot request weight version %d: %s", name, weights.version, err)
+            return
+        if reply.status_code == 409:  # an expected race: the trainer published a newer version since this pass read it
+            log.info(
+                "generator %s: version %d is no longer the published one; the next pass asks", name, weights.version
+            )
+        elif reply.is_error:
+            log.warning("generator %s: weight version %d refused (%d): %s", name, weights.version, reply.status_code,
+                        reply.text[:500])  # fmt: skip
 
     def close(self) -> None:
         self.client.close()
