@@ -39,7 +39,7 @@ from reinforce.core.environment_client import (
 )
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV
 from reinforce.core.spec import EnvironmentSpec, dump_spec, parse_spec
-from reinforce.environment.sandbox import SANDBOX_UID_BASE
+from reinforce.environment.sandbox import SANDBOX_UID_BASE, UID_LOCKS
 from reinforce.operator import children
 from reinforce.supervisor.children import PROMETHEUS_TARGETS, Children
 
@@ -378,6 +378,20 @@ def test_escape_write_outside_scratch(sandboxed: Server, tmp_path: Path) -> None
         assert not Path("/tmp/escaped-by-sandbox").exists(), tmp_write  # its /tmp is a tmpfs of its own
 
 
+def test_the_working_folder_is_there_by_its_absolute_path(sandboxed: Server) -> None:
+    """The red team's R4-9: in namespaces a fresh /tmp covered the scratch folder's path, so a file named through
+    os.getcwd() could not be written, and a size check through absolute paths tested nothing. The same folder, with
+    the same limit, by either name."""
+    code = (
+        "import os\nhere = os.getcwd()\nopen(os.path.join(here, 'a.txt'), 'w').write('by path')\n"
+        "print(open('a.txt').read(), os.listdir('.'), os.path.samefile(here, '.'))\n"
+        "try:\n    open(os.path.join(here, 'big'), 'wb').write(b'x' * (64 << 20))\n    print('wrote 64 MiB')\n"
+        "except OSError as err:\n    print('refused')"
+    )
+    out = python(sandboxed, code)
+    assert out["exit_code"] == 0 and out["text"].splitlines() == ["by path ['a.txt'] True", "refused"], out
+
+
 def test_escape_read_the_parents_environment_and_run_folder(sandboxed: Server) -> None:
     code = (
         "import os, glob\nprint(sorted(os.environ))\nfound = []\n"
@@ -536,14 +550,30 @@ PROCESS_STATE = (  # "False" when no process has the pid, else its state ("S" sl
 )
 
 
+def claimed_uids(pid: int) -> set[int]:
+    """The uids the service `pid` runs its calls as: those whose lock files it holds open (sandbox.claim_uids). Not
+    every uid from SANDBOX_UID_BASE up: another test's environment service may run calls meanwhile."""
+    uids = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = Path(os.readlink(fd))
+        except OSError:  # closed since listed
+            continue
+        if target.parent == UID_LOCKS:
+            uids.add(int(target.stem))
+    return uids
+
+
 def test_escape_a_process_left_behind(sandboxed: Server) -> None:
     """In namespaces killing the call ends its daemon too; without them the service, a child subreaper, kills it
     once the call ends. Left alive it would run beside every later call (in compose: replace the API's socket)."""
     out = python(sandboxed, DAEMON)
     assert out["exit_code"] == 0 and out["text"].strip().isdigit(), out
     isolation = sandboxed.get("/readyz").json()["isolation"]
-    if isolation == "namespaces":  # its pid is its namespace's: look for any process of a call's uid
-        left = [p.info for p in psutil.process_iter(["pid", "uids"]) if p.info["uids"].real >= SANDBOX_UID_BASE]
+    if isolation == "namespaces":  # its pid is its namespace's: look for any process of this service's calls' uids
+        uids = claimed_uids(sandboxed.pid)
+        assert uids, "the service holds no sandbox uid"
+        left = [p.info for p in psutil.process_iter(["pid", "uids"]) if p.info["uids"].real in uids]
         assert left == [], left
         return
     if isolation == "user_namespaces":

@@ -8,8 +8,9 @@ confinement holds, so it must not run anything it does not need. In order:
   1. read the code (stdin, whole; the code's own stdin is then at EOF);
   2. with a mount namespace: every mount read-only, then a size-limited tmpfs on the scratch folder (the working
      directory), fresh tmpfs over /tmp, /var/tmp and /dev/shm, an empty one over every hidden folder (the run
-     folder), and a /proc of the new PID namespace (no other process, so no other process's environment, is
-     seen); nothing written outlives the call;
+     folder), the scratch tmpfs mounted back at its own path where /tmp covered it (so that the working
+     directory's absolute path names it), and a /proc of the new PID namespace (no other process, so no other
+     process's environment, is seen); nothing written outlives the call;
   3. as root: drop to the call's own uid/gid and no supplementary groups, so nothing outside the scratch folder
      that root owns is writable, and RLIMIT_NPROC counts this call's processes only (no other environment
      service on the machine holds that uid: sandbox.claim_uids);
@@ -74,6 +75,13 @@ def _private_mounts(scratch: str, size_bytes: int, hidden: list[str], uid: int) 
     for folder in hidden:
         if os.path.isdir(folder):
             _mount(b"tmpfs", folder, b"tmpfs", tmpfs | MS_RDONLY, "size=4096,mode=0")
+    if not os.path.isdir(scratch) or not os.path.samefile(scratch, "."):
+        # the fresh /tmp covered the scratch folder's path: put the working directory's tmpfs back at that path, so
+        # that os.path.join(os.getcwd(), name) is the same file as `name` (and its size limit holds there too)
+        os.makedirs(scratch, exist_ok=True)
+        _mount(b".", scratch, None, MS_BIND, None)
+        _mount(None, scratch, None, MS_REMOUNT | MS_BIND | tmpfs, None)
+        os.chdir(scratch)
     _mount(b"proc", "/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
 
 
