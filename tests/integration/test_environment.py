@@ -599,6 +599,29 @@ def test_without_namespaces_a_daemon_dies_when_its_call_ends() -> None:
     assert [s.stdout.strip() for s in states] == ["False", "S"], [s.stderr[-2000:] for s in states]
 
 
+# A daemon that keeps the call's stdout and stderr: a double fork out of the call's session, its pipes left open.
+DAEMON_WITH_PIPES = (
+    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+    "    os._exit(0)\nprint('left one behind', flush=True)"
+)
+
+
+def test_without_namespaces_a_daemon_holding_the_pipes_does_not_hold_the_answer() -> None:
+    """The red team's R4-11: the call ends when its program does. A daemon that kept copies of the output pipes made
+    the answer wait for the time limit (or the daemon's end) and come back as a timeout; now it comes back at once,
+    with the program's output and exit code, and the sweep ends the daemon. In a process of its own, as above."""
+    script = (
+        "import asyncio, json, sys, time\nfrom reinforce.environment.sandbox import Limits, Sandbox\n"
+        "sandbox = Sandbox(Limits(20.0, 256 << 20, 16 << 20, 32, 4000), 1, [], 'none', reap_strays=True)\n"
+        f"start = time.monotonic()\nresult = asyncio.run(sandbox.run({DAEMON_WITH_PIPES!r}))\n"
+        "print(json.dumps([result.stdout, result.exit_code, result.timed_out, time.monotonic() - start]))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    stdout, exit_code, timed_out, seconds = json.loads(run.stdout.splitlines()[-1])
+    assert (stdout, exit_code, timed_out) == ("left one behind\n", 0, False), run.stderr[-2000:]
+    assert seconds < 5, seconds  # the time limit is 20 s; the daemon would live 60
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="namespaces (a uid per call) need root")
 def test_a_namespaced_call_leaves_no_zombie_to_the_host() -> None:
     """A call past its time limit is killed with its `unshare`, whose child, the namespace's PID 1, is then an orphan:

@@ -47,8 +47,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -62,6 +63,8 @@ NAMESPACE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--fork", "--kill-child
 SANDBOX_UID_BASE = 61000  # root only: the lowest uid/gid a call runs as (claim_uids)
 UID_LOCKS = Path("/run/reinforce-sandbox-uids")  # root only: a lock file per sandbox uid, held by the service using it
 PATH = "/usr/local/bin:/usr/bin:/bin"
+EXIT_POLL_S = 0.01  # how often a call's process is looked at for its exit
+DRAIN_AFTER_EXIT_S = 0.5  # after the program's exit, how long its output may take to be read
 DRAIN_AFTER_KILL_S = 2.0  # after the kill, how long the output pipes may take to close
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
@@ -197,14 +200,32 @@ def kill_strays(live: set[int]) -> int:
     return killed
 
 
-async def _drain(stream: asyncio.StreamReader, keep: int) -> tuple[bytes, int]:
-    """Read a pipe to its end, keeping its first `keep` bytes: a 100 MB print costs reading, not memory."""
-    kept, total = bytearray(), 0
+@dataclass
+class _Output:
+    """What a pipe gave so far: its first `keep` bytes (a 100 MB print costs reading, not memory) and its length."""
+
+    keep: int
+    kept: bytearray = field(default_factory=bytearray)
+    total: int = 0
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """Whether `proc` exited (and was reaped) within `timeout_s`. Not `proc.wait()`: before Python 3.12 it also waits
+    for the process's pipes to close, which a process it left behind holds open."""
+    deadline = time.monotonic() + timeout_s
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(EXIT_POLL_S)
+    return True
+
+
+async def _drain(stream: asyncio.StreamReader, output: _Output) -> None:
+    """Read a pipe to its end into `output`, which keeps what was read if the reading is cancelled."""
     while chunk := await stream.read(1 << 16):
-        total += len(chunk)
-        if len(kept) < keep:
-            kept += chunk[: keep - len(kept)]
-    return bytes(kept), total
+        output.total += len(chunk)
+        if len(output.kept) < output.keep:
+            output.kept += chunk[: output.keep - len(output.kept)]
 
 
 class Sandbox:
@@ -313,37 +334,38 @@ class Sandbox:
             self.live.add(proc.pid)
         finally:
             self.starting -= 1
-        keep = self.limits.output_bytes
         assert proc.stdin and proc.stdout and proc.stderr
-        out = asyncio.ensure_future(_drain(proc.stdout, keep))
-        err = asyncio.ensure_future(_drain(proc.stderr, keep))
-        exited = asyncio.ensure_future(proc.wait())
+        outputs = _Output(self.limits.output_bytes), _Output(self.limits.output_bytes)
+        pipes = (proc.stdout, proc.stderr)
+        drains = {asyncio.ensure_future(_drain(pipe, output)) for pipe, output in zip(pipes, outputs, strict=True)}
         try:
             proc.stdin.write(code.encode())
             with contextlib.suppress(ConnectionError):  # the process may be gone before it read its code
                 await proc.stdin.drain()
             proc.stdin.close()
-            # done: the process exited and closed its output (a child that still holds a pipe keeps it running)
-            _, running = await asyncio.wait({out, err, exited}, timeout=self.limits.time_limit_s)
+            # The call ends when its program does. What the program wrote is then in the pipes, read within a
+            # moment; a process it left behind (a daemon, which the sweep ends) may hold a copy of a pipe open.
+            done = await _exited(proc, self.limits.time_limit_s)
+            if done:
+                await asyncio.wait(drains, timeout=DRAIN_AFTER_EXIT_S)
         finally:
             _kill_group(proc.pid)  # what is left: the whole tree in namespaces, the process group without
-            await exited
+            await _exited(proc, math.inf)
             self.live.discard(proc.pid)
             self._sweep()
             # Pipes close once every writer is gone; a detached writer (isolation none) must not hold us here.
-            _, stuck = await asyncio.wait({out, err}, timeout=DRAIN_AFTER_KILL_S)
+            _, stuck = await asyncio.wait(drains, timeout=DRAIN_AFTER_KILL_S)
             for task in stuck:
                 task.cancel()
-        stdout, out_total = out.result() if out not in stuck else (b"", 0)
-        stderr, err_total = err.result() if err not in stuck else (b"", 0)
+        stdout, stderr = (bytes(o.kept).decode(errors="replace") for o in outputs)
         returncode = proc.returncode
         return RunResult(
-            stdout.decode(errors="replace"),
-            stderr.decode(errors="replace"),
-            None if running else returncode,
-            bool(running),
+            stdout,
+            stderr,
+            returncode if done else None,
+            not done,
             signal.Signals(-returncode).name if returncode < 0 else None,
-            out_total + err_total,
+            sum(o.total for o in outputs),
         )
 
     def _sweep(self) -> None:
