@@ -126,7 +126,7 @@ def test_the_network_policy_pins_the_operator_and_opens_metrics_ports_only(algor
     objects = children(run)
     [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
     own_pods = policy["spec"]["podSelector"]["matchLabels"]
-    own, operator, anyone = policy["spec"]["ingress"]
+    own, operator, anyone, keda = policy["spec"]["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": own_pods}}]}  # the run's own pods: every port
     assert operator["from"] == [
         {
@@ -146,6 +146,14 @@ def test_the_network_policy_pins_the_operator_and_opens_metrics_ports_only(algor
     assert named_metrics == _ports(anyone)
     control = {p.redis, p.generator, p.critic, p.trainer_weights, p.reward_http, p.reward_grpc, p.rendezvous}
     assert not control & _ports(anyone)
+    # R4-10: KEDA's redis-streams scaler reaches Redis from KEDA's namespace, and nothing else; null keeps it out
+    assert keda == {
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}}],
+        "ports": [{"port": p.redis, "protocol": "TCP"}],
+    }
+    closed = children(run_of(algorithm=algorithm, config={"operatorNamespace": "ops", "kedaNamespace": None}))
+    [policy] = [o for o in closed if o["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["ingress"] == [own, operator, anyone]
     generator = " ".join(pod_templates(objects)["tiny-generator"]["spec"]["containers"][0]["command"])
     assert f"--port {p.generator} --metrics-port {p.generator_metrics}" in generator
     if algorithm == "ppo":

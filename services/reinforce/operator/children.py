@@ -218,6 +218,12 @@ class OperatorConfig(_Section):
         description="The namespace of the operator's pod: the runs' NetworkPolicies let the operator in from there "
         "only (the chart sets its release's namespace).",
     )
+    keda_namespace: str | None = Field(
+        "keda",
+        description="The namespace KEDA runs in: the runs' NetworkPolicies let its pods reach the run's Redis port "
+        "there, where its redis-streams scaler reads the prompts stream (docs/kubernetes/autoscaling.md). null: "
+        "KEDA is not let in, and under a CNI that enforces NetworkPolicies its scaler never reads a run's Redis.",
+    )
 
     def configured_images(self) -> set[str]:
         """The images this configuration names: the only ones a run may choose while allowed_images is null."""
@@ -761,7 +767,7 @@ def _tcp(ports: list[int]) -> list[dict[str, Any]]:
 def network_policy(run: Run) -> dict[str, Any]:
     """Who may connect to the run's pods: the run's own pods on every port; the operator's pods, of its own
     namespace only (a label alone anyone can set), on the ports it calls; anyone on the metrics ports (Prometheus
-    may run anywhere, and no metrics port serves anything else)."""
+    may run anywhere, and no metrics port serves anything else); KEDA's namespace on Redis's port (its scaler)."""
     own_pods = _own_pods(run)
     selected: dict[str, Any] = {"matchLabels": own_pods}
     if run.environment:  # R-environment-network alone says who reaches it (policies add up: none may let more in)
@@ -772,19 +778,19 @@ def network_policy(run: Run) -> dict[str, Any]:
         "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: run.config.operator_namespace}},
         "podSelector": {"matchLabels": {K8S_NAME_LABEL: OPERATOR_APP_NAME}},
     }
+    ingress = [
+        {"from": [{"podSelector": {"matchLabels": own_pods}}]},
+        {"from": [operator], "ports": _tcp(operator_ports(run))},
+        {"ports": _tcp(metrics_ports(run))},
+    ]
+    if run.config.keda_namespace:  # KEDA's redis-streams scaler reads the prompts stream: Redis's port only
+        keda = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: run.config.keda_namespace}}}
+        ingress.append({"from": [keda], "ports": _tcp([run.config.ports.redis])})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": run.metadata(run.child("network")),
-        "spec": {
-            "podSelector": selected,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": own_pods}}]},
-                {"from": [operator], "ports": _tcp(operator_ports(run))},
-                {"ports": _tcp(metrics_ports(run))},
-            ],
-        },
+        "spec": {"podSelector": selected, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 
