@@ -338,6 +338,17 @@ TEMPLATE = "spec.kubernetes.trainer.template"
         ({"metadata": {"labels": {K8S_INSTANCE_LABEL: "other"}}},
          f"metadata.labels.{K8S_INSTANCE_LABEL}: the run's own"),
         ({"metadata": {"name": "x"}}, "metadata.name: a template sets only labels and annotations"),
+        # the red team's R4-8
+        ({"spec": {"schedulerName": "mine"}}, "spec.schedulerName: another scheduler would place the pod"),
+        ({"spec": {"hostAliases": [{"ip": "10.0.0.9", "hostnames": ["tiny-redis"]}]}},
+         "spec.hostAliases: it rewrites the pod's /etc/hosts"),
+        ({"spec": {"shareProcessNamespace": True}}, "spec.shareProcessNamespace: the run's containers do not see"),
+        ({"metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}},
+         "metadata.annotations.container.apparmor.security.beta.kubernetes.io/trainer: the containers' confinement"),
+        ({"spec": {"containers": [{"name": "trainer", "env": [{"name": "LD_PRELOAD", "value": "/tmp/x.so"}]}]}},
+         "spec.containers[0].env[0].name: 'LD_PRELOAD' would load other code into the service"),
+        ({"spec": {"volumes": [{"name": "v", "csi": {"driver": "hostpath.csi.k8s.io"}}]}},
+         "spec.volumes[0]: csi is no volume the restricted Pod Security Standard allows"),
     ],
 )  # fmt: skip
 def test_what_would_break_the_runs_guarantees_is_refused_by_name(template: dict[str, Any], refusal: str) -> None:
@@ -353,3 +364,17 @@ def test_a_template_that_is_no_pod_template_is_refused_naming_the_field() -> Non
     assert f"{TEMPLATE}: Value error, not a PodTemplateSpec: " in message
     assert "spec.tolerations[0].tolerationSecond: Extra inputs are not permitted" in message
     assert "spec.priorityClassName: Input should be a valid string" in message
+
+
+def test_a_runtime_the_operator_chose_stays_and_one_it_did_not_may_be_added() -> None:
+    """R4-8: the administrator's gVisor for the pods that run model code cannot be removed (null) or replaced by a
+    run's template; where the operator sets no runtime class, a run may choose one (docs/environments.md)."""
+    gvisor = {"pods": {"trainer": {"template": {"spec": {"runtimeClassName": "gvisor"}}}}}
+
+    def asking(runtime: str | None, config: dict | None = None) -> list[str]:
+        template = {"spec": {"runtimeClassName": runtime}}
+        return refusals(run_of(config=config or {}, changes={"kubernetes.trainer.template": template}))
+
+    why = "the runtime the operator's pods run in is the operator's ('gvisor')"
+    assert asking(None, gvisor) == asking("runc", gvisor) == [f"{TEMPLATE}.spec.runtimeClassName: {why}"]
+    assert asking("gvisor", gvisor) == asking("gvisor") == []

@@ -183,3 +183,21 @@ def test_what_the_tenancy_allows_is_accepted_from_a_template_too() -> None:
         }
     }
     assert refusals(run_of({"generator": {"template": allowed}}, {**TENANCY, "priorityClasses": ["training"]})) == []
+
+
+def test_devices_claimed_by_dynamic_resource_allocation_are_refused_where_resources_are_bounded() -> None:
+    """R4-8: a DRA claim asks for devices no quantity of tenancy.maxResources counts, so where it bounds any a
+    template claims none; an operator that bounds nothing lets them through."""
+    template = {
+        "spec": {
+            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}],
+            "containers": [{"name": "trainer", "resources": {"claims": [{"name": "gpus"}]}}],
+        }
+    }
+    found = refusals(run_of({"trainer": {"template": template}}, TENANCY))
+    where = "spec.kubernetes.trainer.template.spec"
+    assert found == [
+        f"{where}.resourceClaims: devices claimed here are beyond what tenancy.maxResources can bound",
+        f"{where}.containers[0].resources.claims: devices claimed here are beyond what tenancy.maxResources can bound",
+    ]
+    assert refusals(run_of({"trainer": {"template": template}}, {})) == []

@@ -43,13 +43,24 @@ POD_FIELDS_OF_THE_RUN = {
     "nodeName": "it bypasses the scheduler and tenancy.nodeSelectors",
     "initContainers": "only the run's own containers run in its pods",
     "ephemeralContainers": "only the run's own containers run in its pods",
+    "schedulerName": "another scheduler would place the pod without tenancy.nodeSelectors' say",
+    "hostAliases": "it rewrites the pod's /etc/hosts: the run's Services would answer at other addresses",
+    "shareProcessNamespace": "the run's containers do not see each other's processes",
 }
+# Pod fields a template may add but not change or remove where the operator's own pod (its `pods` defaults
+# included) sets them: a sandboxing runtime (gVisor) chosen by the administrator stays.
+POD_FIELDS_OF_THE_OPERATOR = {"runtimeClassName": "the runtime the operator's pods run in is the operator's"}
+# Annotations that choose a container's confinement: the operator's (AppArmor's, seccomp's before securityContext).
+CONFINEMENT_ANNOTATIONS = ("container.apparmor.security.beta.kubernetes.io/", "seccomp.security.alpha.kubernetes.io/")
+# Variables the dynamic loader and Python read before the service's code runs: they would run other code in it.
+LOADER_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE")
 # What a template may set on the run's container; the rest (command, args, ports, probes, securityContext with
 # privileged and capabilities, lifecycle hooks, ...) is how the operator runs the service.
 CONTAINER_FIELDS = ("name", "image", "imagePullPolicy", "resources", "env", "envFrom", "volumeMounts")
-# The volume kinds the restricted Pod Security Standard allows (no hostPath, no node-level plugins)
+# The volume kinds the restricted Pod Security Standard allows (no hostPath, no node-level plugins), less inline
+# `csi`: an ephemeral volume of whatever driver the node has, with whatever attributes the run writes
 RESTRICTED_VOLUME_KINDS = frozenset(
-    {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+    {"configMap", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
 )
 
 
@@ -142,8 +153,14 @@ def template_refusals(base: dict[str, Any], template: dict[str, Any], where: str
         for label in template.get("metadata", {}).get("labels", {})
         if label in base_labels
     ]
+    found += [
+        f"{where}.metadata.annotations.{key}: the containers' confinement is the operator's"
+        for key in template.get("metadata", {}).get("annotations") or {}
+        if key.startswith(CONFINEMENT_ANNOTATIONS)
+    ]
     spec, base_spec = template.get("spec", {}), base["spec"]
     found += [f"{where}.spec.{key}: {why}" for key, why in POD_FIELDS_OF_THE_RUN.items() if key in spec]
+
     found += _volume_refusals(spec.get("volumes", []), base_spec["volumes"], f"{where}.spec.volumes")
     containers = {c["name"]: c for c in base_spec["containers"]}
     for i, container in enumerate(spec.get("containers", [])):
@@ -153,6 +170,17 @@ def template_refusals(base: dict[str, Any], template: dict[str, Any], where: str
             continue
         found += _container_refusals(container, containers[container["name"]], field)
     return found
+
+
+def operator_layer_refusals(layer: dict[str, Any] | None, template: dict[str, Any], where: str) -> list[str]:
+    """What in a run's `template` changes or removes a POD_FIELDS_OF_THE_OPERATOR field that the operator's own
+    template for the same pods (`pods.<component>.template`, `layer`) sets."""
+    ours, spec = (layer or {}).get("spec", {}), template.get("spec", {})
+    return [
+        f"{where}.spec.{key}: {why} ({ours[key]!r})"
+        for key, why in POD_FIELDS_OF_THE_OPERATOR.items()
+        if key in spec and key in ours and spec[key] != ours[key]
+    ]
 
 
 def _volume_refusals(volumes: list[dict[str, Any]], base: list[dict[str, Any]], where: str) -> list[str]:
@@ -183,6 +211,11 @@ def _container_refusals(container: dict[str, Any], base: dict[str, Any], where: 
         f"{where}.env[{i}].name: {e['name']!r} is the run's own setting"
         for i, e in enumerate(container.get("env", []))
         if e["name"] in own_env
+    ]
+    found += [
+        f"{where}.env[{i}].name: {e['name']!r} would load other code into the service before it starts"
+        for i, e in enumerate(container.get("env", []))
+        if e["name"].startswith(LOADER_VARIABLES)
     ]
     own_paths = {m["mountPath"] for m in base.get("volumeMounts", [])}
     found += [

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 
 from reinforce.core.names import COMPONENTS
 from reinforce.core.spec import _Section
-from reinforce.operator.podtemplate import template_refusals
+from reinforce.operator.podtemplate import operator_layer_refusals, template_refusals
 from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, GPU_RESOURCE, PodSpec
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ def _template_refusals(run: Run) -> list[str]:
             continue
         where = f"spec.kubernetes.{component}.template"
         found += template_refusals(base, template, where)
+        found += operator_layer_refusals(run.config.pods.get(component, PodSpec()).template, template, where)
         found += _template_tenancy_refusals(template.get("spec", {}), f"{where}.spec", run.config)
     return found
 
@@ -114,6 +115,7 @@ def _template_tenancy_refusals(spec: dict[str, Any], where: str, config: Operato
     found += _node_selector_refusals(spec.get("nodeSelector", {}), where, tenancy)
     found += _node_affinity_refusals(spec.get("affinity", {}).get("nodeAffinity", {}), f"{where}.affinity", tenancy)
     found += _resource_refusals(_template_resources(spec, where), tenancy)
+    found += _device_claim_refusals(spec, where, tenancy)
     for i, container in enumerate(spec.get("containers", [])):
         found += _image_refusals(container.get("image"), f"{where}.containers[{i}].image", config)
     priority = spec.get("priorityClassName")
@@ -194,6 +196,20 @@ def _template_resources(spec: dict[str, Any], where: str) -> Iterator[Asked]:
         for kind in ("requests", "limits"):
             for resource, value in resources.get(kind, {}).items():
                 yield f"{field}.{kind}.{resource}", resource, value
+
+
+def _device_claim_refusals(spec: dict[str, Any], where: str, tenancy: Tenancy) -> list[str]:
+    """Devices claimed through dynamic resource allocation are counted by no quantity that tenancy.maxResources
+    bounds: where it bounds any, a template claims none."""
+    if not tenancy.max_resources:
+        return []
+    claims = [f"{where}.resourceClaims"] if spec.get("resourceClaims") else []
+    claims += [
+        f"{where}.containers[{i}].resources.claims"
+        for i, container in enumerate(spec.get("containers", []))
+        if (container.get("resources") or {}).get("claims")
+    ]
+    return [f"{claim}: devices claimed here are beyond what tenancy.maxResources can bound" for claim in claims]
 
 
 def _resource_refusals(asked: list[Asked] | Iterator[Asked], tenancy: Tenancy) -> list[str]:
