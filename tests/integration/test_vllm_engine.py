@@ -421,7 +421,21 @@ def test_lora_versions_that_do_not_fit_are_refused_and_the_adapter_keeps_serving
     too_wide = tmp_path / "rank-16.safetensors"  # above max_lora_rank 8 (training.lora.rank 8)
     save_file({f"{module}.lora_A.weight": torch.zeros(16, 32), f"{module}.lora_B.weight": torch.zeros(32, 16)},
               str(too_wide), metadata)  # fmt: skip
+    # the red team's R4-12: numbers no trained adapter has, and a module no LoRA version adapts
+    fitting = {f"{module}.lora_A.weight": torch.full((8, 32), 0.01), f"{module}.lora_B.weight": torch.zeros(32, 8)}
+    forged = {}
+    for name, scaling, tensors in (("nan-scaling", "nan", fitting), ("huge-scaling", "1e308", fitting),
+                                   ("nan-weights", "2.0", {**fitting, f"{module}.lora_B.weight": torch.full(
+                                       (32, 8), float("nan"))}),
+                                   ("lm-head", "2.0", {"lm_head.lora_A.weight": torch.zeros(8, 32),
+                                                       "lm_head.lora_B.weight": torch.zeros(64, 8)})):  # fmt: skip
+        forged[name] = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(forged[name]), {**metadata, "lora_scaling": scaling})
     for bad, message in (
+        (forged["nan-scaling"], "lora_scaling nan is not a finite positive number"),
+        (forged["huge-scaling"], "could reach .* past float32"),
+        (forged["nan-weights"], "lora_B.weight holds non-finite values"),
+        (forged["lm-head"], "an adapter of 'lm_head', which no LoRA version adapts"),
         (wrong_width, "does not fit the policy"),
         (too_wide, "LoRA rank 16 above the engine's max_lora_rank 8"),
         (policy / "model.safetensors", "a whole-policy weight version, but the engine started with LoRA"),

@@ -10,12 +10,18 @@ vLLM LoRA adapter (`peft_config` describes them in PEFT's format) and applies th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from reinforce.core.spec import LORA_UNADAPTED_MODULES
 
 LORA_FORMAT = "lora"
 _PARTS = (".lora_A.", ".lora_B.")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -71,3 +77,29 @@ def peft_config(shapes: dict[str, tuple[int, ...]], scaling: float) -> dict[str,
         "target_modules": sorted({module.rsplit(".", 1)[-1] for module in adapted_modules(shapes)}),
         "bias": "none",
     }
+
+
+def read_lora_version(path: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """The adapters and the scaling of a LoRA weight version file; ValueError naming the file where the scaling is
+    not a finite positive number, a tensor holds a non-finite value, an update scaling * B @ A could overflow
+    float32, or a module is one that no LoRA version adapts (LORA_UNADAPTED_MODULES)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        adapters = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    try:
+        scaling = float(metadata["lora_scaling"])
+    except (KeyError, ValueError):
+        raise ValueError(f"{path}: no lora_scaling number in its metadata") from None
+    if not (math.isfinite(scaling) and scaling > 0):
+        raise ValueError(f"{path}: lora_scaling {scaling!r} is not a finite positive number")
+    for name, tensor in adapters.items():
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{path}: {name} holds non-finite values")
+    for module in adapted_modules(adapters):
+        if module.rsplit(".", 1)[-1] in LORA_UNADAPTED_MODULES:
+            raise ValueError(f"{path}: an adapter of {module!r}, which no LoRA version adapts")
+        a, b = adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
+        largest = float(a.abs().max()) * float(b.abs().max()) * a.shape[0] * scaling  # bounds every |update|
+        if not largest < FLOAT32_MAX:
+            raise ValueError(f"{path}: the update of {module!r} could reach {largest:.3g}, past float32")
+    return adapters, scaling

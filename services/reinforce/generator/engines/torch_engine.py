@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforce.core.hardware import bfloat16_is_native
-from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into
+from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into, read_lora_version
 from reinforce.core.policy import load_policy, load_tokenizer
 from reinforce.core.spec import GenerationSpec
 from reinforce.core.weights import WeightError, module_loader
@@ -44,11 +44,11 @@ class TorchEngine(GenerationEngine):
 
     def load_weights(self, path: Path) -> None:
         with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != LORA_FORMAT:
-                self._load(path)
-                return
-            adapters = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            is_lora = (f.metadata() or {}).get("format") == LORA_FORMAT
+        if not is_lora:
+            self._load(path)
+            return
+        adapters, scaling = read_lora_version(path)
         # LoRA: only adapters travel; the base weights are the ones this engine started with (weight version 0)
         params = dict(self.model.named_parameters())
         for module in adapted_modules(adapters):
@@ -56,7 +56,7 @@ class TorchEngine(GenerationEngine):
                 if f"{module}.weight" not in params:
                     raise WeightError(f"{path}: adapter for {module!r}, which the model does not have")
                 self._lora_base[module] = params[f"{module}.weight"].detach().clone()
-        merge_into(self.model, adapters, float(metadata["lora_scaling"]), self._lora_base)
+        merge_into(self.model, adapters, scaling, self._lora_base)
 
 
 @dataclass

@@ -56,7 +56,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from reinforce.core.hardware import bfloat16_is_native
-from reinforce.core.lora import LORA_FORMAT, adapted_modules, adapter_rank, peft_config
+from reinforce.core.lora import LORA_FORMAT, adapted_modules, adapter_rank, peft_config, read_lora_version
 from reinforce.core.policy import load_tokenizer
 from reinforce.core.spec import GenerationSpec, LoraSpec
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
@@ -182,9 +182,8 @@ class VLLMEngine(GenerationEngine):
     def _check_adapter(self, path: Path) -> tuple[dict[str, tuple[int, ...]], float]:
         """(tensor name -> shape, scaling) of a LoRA version that fits the policy: each adapted module is a weight of
         the policy, A is [r, in] and B [out, r] of it, and r is at most the engine's max_lora_rank."""
-        with safe_open(str(path), framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-            scaling = float((f.metadata() or {})["lora_scaling"])
+        adapters, scaling = read_lora_version(path)  # its numbers first: finite, and no update past float32
+        shapes = {name: tuple(tensor.shape) for name, tensor in adapters.items()}
         rank = adapter_rank(shapes)
         if rank > (self.max_lora_rank or 0):
             raise ValueError(f"{path}: LoRA rank {rank} above the engine's max_lora_rank {self.max_lora_rank}")
