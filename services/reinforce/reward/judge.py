@@ -43,6 +43,8 @@ PLAIN_SEQUENCES = {"list": list, "tuple": tuple, "set": set, "frozenset": frozen
 RAISABLE = {name: cls for name, cls in vars(builtins).items() if isinstance(cls, type) and issubclass(cls, Exception)}
 BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_", "xor", "lshift", "rshift")
 ORDER = ("lt", "le", "gt", "ge")
+# Built-in conversions of one of the solution's objects, asked of its process, and the exact type each must answer.
+CONVERSIONS = {"hash": int, "len": int, "bool": bool, "repr": str, "str": str, "int": int, "index": int, "float": float}
 
 
 class SolutionError(Exception):
@@ -153,32 +155,8 @@ class Remote:
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
-    def __hash__(self) -> int:
-        return _exact(self._ask("hash"), int)
-
-    def __len__(self) -> int:
-        return _exact(self._ask("len"), int)
-
-    def __bool__(self) -> bool:
-        return _exact(self._ask("bool"), bool)
-
     def __contains__(self, item: Any) -> bool:
         return _exact(self._ask("contains", item), bool)
-
-    def __repr__(self) -> str:
-        return _exact(self._ask("repr"), str)
-
-    def __str__(self) -> str:
-        return _exact(self._ask("str"), str)
-
-    def __int__(self) -> int:
-        return _exact(self._ask("int"), int)
-
-    def __index__(self) -> int:
-        return _exact(self._ask("index"), int)
-
-    def __float__(self) -> float:
-        return _exact(self._ask("float"), float)
 
     def __neg__(self) -> Any:
         return self._ask("unary", "neg")
@@ -209,6 +187,15 @@ def _order(name: str) -> Any:
     return method
 
 
+def _conversion(name: str, kind: type) -> Any:
+    def method(self: Remote) -> Any:
+        return _exact(self._ask(name), kind)
+
+    return method
+
+
+for _name, _kind in CONVERSIONS.items():
+    setattr(Remote, f"__{_name}__", _conversion(_name, _kind))
 for _name in BINARY:
     _dunder = _name.rstrip("_")
     setattr(Remote, f"__{_dunder}__", _binary(_name, reflected=False))
@@ -271,11 +258,10 @@ def _answer(namespace: dict[str, Any], op: str, args: list[Any]) -> Any:
         return bool(getattr(operator, rest[0])(target, rest[1]))
     if op == "unary":
         return getattr(operator, rest[0])(target)
-    conversions = {"iter": iter, "next": next, "hash": hash, "len": len, "bool": bool, "repr": repr, "str": str,
-                   "int": int, "index": operator.index, "float": float}  # fmt: skip
     if op == "contains":
         return rest[0] in target
-    return conversions[op](target)
+    builtin = {"iter": iter, "next": next, "hash": hash, "len": len, "repr": repr, "index": operator.index}
+    return builtin.get(op, CONVERSIONS.get(op))(target)
 
 
 def serve() -> None:
