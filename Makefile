@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart tiny test lint proto generate images compose-smoke cluster-e2e
+.PHONY: install quickstart tiny test test-fast lint proto generate images compose-smoke cluster-e2e
 
 install: $(VENV)/.installed
 
@@ -23,10 +23,15 @@ quickstart: install
 tiny: install
 	$(VENV)/bin/reinforce run examples/tiny.yaml --overwrite
 
-# Two pytest-xdist workers: one pytest process leaves much of 2 cores idle while tests wait on servers, pods and
-# containers. tests/conftest.py keeps the tests that share something machine-wide in one worker, one at a time.
+# Two pytest-xdist workers, a core each: one pytest process leaves much of 2 cores idle while tests wait on servers,
+# pods and containers. tests/suite_plan.py plans them and fails a run past its time budget (docs/development.md).
 test: install
 	$(PY) -m pytest -n 2
+
+# The quick loop: the unit tests and the integration tests that start no whole pipeline, API server, container or
+# browser (under 5 minutes on 2 cores).
+test-fast: install
+	$(PY) -m pytest -n 2 -m "not slow and not cluster and not docker and not browser" tests/unit tests/integration
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -5,38 +5,22 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from reinforce.supervisor.ports import free_port
 
+if TYPE_CHECKING:
+    from runs import FinishedRun
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
-# Tests that share something machine-wide run one after another, in one xdist worker (`make test` runs two):
-# dockerd, its images and the single-node cluster (tests/e2e), and the environment sandbox's uids
-# (from SANDBOX_UID_BASE up), which the zombie test looks for machine-wide.
-ONE_AT_A_TIME = (
-    "tests/e2e/",
-    "tests/integration/test_environment.py",
-    "tests/integration/test_environment_confinement.py",
-    "tests/integration/test_code_reward_server.py",
-)
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when pytest runs without it
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """xdist's scope scheduling with one scope for ONE_AT_A_TIME and one per test for the rest. (Not `--dist
-    loadgroup`: xdist 3.8 renames the grouped tests' ids through an attribute that pytest 9.2 no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class OneAtATime(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "machine-wide" if nodeid.startswith(ONE_AT_A_TIME) else nodeid
-
-    return OneAtATime(config, log)
+# Scopes, a core per worker, shared session results and the time budget of `make test`.
+pytest_plugins = ["suite_plan"]
 
 
 def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
@@ -104,40 +88,68 @@ def redis_url(redis_server: str) -> Iterator[str]:
     yield redis_server
 
 
+def whole_run(example: str, training: dict) -> Callable[[Path], Path]:
+    """A build for shared_result: an uninterrupted run of examples/EXAMPLE.yaml with `training`; its run folder."""
+    from runs import reinforce, write_spec
+
+    def build(folder: Path) -> Path:
+        result = reinforce("run", str(write_spec(folder, example, training=training)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return folder / "run"
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """examples/tiny.yaml as it is (30 steps) run to its end, in a folder named on the command line (`--run-dir`),
+    not the spec's: a user's first run, which the pipeline and the run-folder commands' tests read. Run once per test
+    run (shared by the workers)."""
+    from runs import FinishedRun, reinforce, write_spec
+    from suite_plan import shared_result
+
+    def build(folder: Path) -> Path:
+        run_dir = folder / "elsewhere"
+        result = reinforce("run", str(write_spec(folder)), "--run-dir", str(run_dir))
+        assert result.returncode == 0, result.stderr[-3000:]
+        (folder / "stdout.txt").write_text(result.stdout)
+        (folder / "stderr.txt").write_text(result.stderr)
+        return run_dir
+
+    run_dir = shared_result(tmp_path_factory, "tiny-run", build)
+    printed = [(run_dir.parent / name).read_text() for name in ("stdout.txt", "stderr.txt")]
+    return FinishedRun(run_dir, *printed)
+
+
 @pytest.fixture(scope="session")
 def tiny_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted single-rank run of examples/tiny.yaml (runs.BASELINE_TRAINING): the reference that
-    resumed, restarted and data-parallel runs must reproduce."""
-    from runs import BASELINE_TRAINING, reinforce, write_spec
+    resumed, restarted and data-parallel runs must reproduce. Run once per test run (shared by the workers)."""
+    from runs import BASELINE_TRAINING
+    from suite_plan import shared_result
 
-    folder = tmp_path_factory.mktemp("baseline")
-    result = reinforce("run", str(write_spec(folder, training=BASELINE_TRAINING)))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder / "run"
+    return shared_result(tmp_path_factory, "baseline", whole_run("tiny", BASELINE_TRAINING))
 
 
 @pytest.fixture(scope="session")
 def tiny_megatron_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run of examples/tiny.yaml on the Megatron backend over two tensor-parallel ranks
     (runs.BASELINE_TRAINING, runs.MEGATRON_TP2): what a resumed Megatron run must reproduce bit for bit."""
-    from runs import BASELINE_TRAINING, MEGATRON_TP2, reinforce, write_spec
+    from runs import BASELINE_TRAINING, MEGATRON_TP2
+    from suite_plan import shared_result
 
-    folder = tmp_path_factory.mktemp("megatron-baseline")
-    result = reinforce("run", str(write_spec(folder, training={**BASELINE_TRAINING, **MEGATRON_TP2})))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder / "run"
+    training = {**BASELINE_TRAINING, **MEGATRON_TP2}
+    return shared_result(tmp_path_factory, "megatron-baseline", whole_run("tiny", training))
 
 
 @pytest.fixture(scope="session")
 def tiny_ppo_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run of examples/tiny-ppo.yaml (runs.BASELINE_TRAINING): what PPO runs with a killed critic
     or a resume must reproduce."""
-    from runs import BASELINE_TRAINING, reinforce, write_spec
+    from runs import BASELINE_TRAINING
+    from suite_plan import shared_result
 
-    folder = tmp_path_factory.mktemp("ppo-baseline")
-    result = reinforce("run", str(write_spec(folder, "tiny-ppo", training=BASELINE_TRAINING)))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder / "run"
+    return shared_result(tmp_path_factory, "ppo-baseline", whole_run("tiny-ppo", BASELINE_TRAINING))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -29,6 +30,15 @@ MEGATRON_TP2 = {"backend": "megatron", "tensor_parallel": 2, "num_ranks": 2}
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (`make install` installs its CPU build)"
 )
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A `reinforce run` that ended well: its run folder and what it printed."""
+
+    run_dir: Path
+    stdout: str
+    stderr: str
 
 
 def on_engine(engine: str, **overrides: dict) -> dict[str, dict]:

@@ -31,9 +31,6 @@ from runs import (
     BASELINE_TRAINING,
     assert_each_step_trained_once,
     max_weight_difference,
-    start,
-    wait_for_step,
-    write_spec,
 )
 
 from generate import crd
@@ -320,9 +317,7 @@ def test_helm_install_then_a_run_trains_in_pods(chart_installed: Cluster, tmp_pa
     wide = cluster.kubectl("-n", RUNS, "get", "rr", "-o", "wide").stdout.splitlines()[0].split()
     assert "WEIGHTS" in wide
 
-    local_s, local_first_step_s = run_locally(tmp_path)
-    cluster.timings |= {"kubectl apply to first step": first_step_s, "kubectl apply to Succeeded": total_s,
-                        "local first step": local_first_step_s, "local run": local_s}  # fmt: skip
+    cluster.timings |= {"kubectl apply to first step": first_step_s, "kubectl apply to Succeeded": total_s}
     print(f"{names} metric names answered")
     delete_run_and_its_children(cluster, "tiny")
 
@@ -335,17 +330,6 @@ def assert_pods_carry_the_template(cluster: Cluster, run: str) -> None:
         assert PASTED["spec"]["tolerations"][0] in spec["tolerations"], spec
         assert spec["affinity"] == PASTED["spec"]["affinity"] and spec["priorityClassName"] == PRIORITY_CLASS, spec
         assert spec["priority"] == 1000 and spec["automountServiceAccountToken"] is False, spec
-
-
-def run_locally(tmp_path: Path) -> tuple[float, float]:
-    """The same spec through `reinforce run`: (total seconds, seconds to the first trained step)."""
-    spec = write_spec(tmp_path / "local")
-    start_s = time.monotonic()
-    proc = start("run", str(spec))
-    wait_for_step(proc, tmp_path / "local" / "run", 1)
-    first_step_s = time.monotonic() - start_s
-    assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
-    return time.monotonic() - start_s, first_step_s
 
 
 def test_pods_deleted_mid_run_lose_no_step(chart_installed: Cluster) -> None:

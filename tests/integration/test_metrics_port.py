@@ -24,8 +24,13 @@ START_TIMEOUT_S = 120  # importing torch and preparing the tiny policy on a shar
 
 
 def _get(url: str) -> httpx.Response | None:
+    return _get_with(url, {})
+
+
+def _get_with(url: str, headers: dict[str, str]) -> httpx.Response | None:
+    """The answer, or None while nothing listens there."""
     try:
-        return httpx.get(url, timeout=2)
+        return httpx.get(url, headers=headers, timeout=2)
     except httpx.HTTPError:
         return None
 
@@ -49,7 +54,11 @@ def test_a_generator_serves_its_metrics_on_their_own_port_and_nothing_else_there
         auth = {"Authorization": f"Bearer {TOKEN}"}
         posted = httpx.post(f"http://127.0.0.1:{metrics}{WEIGHTS_PATH}", json={"version": 1}, headers=auth, timeout=2)
         assert posted.status_code >= 400
-        assert httpx.get(f"http://127.0.0.1:{control}{WEIGHTS_PATH}", headers=auth, timeout=2).status_code == 200
+        # the metrics server starts before the control plane: the control port may answer a moment later
+        while (weights := _get_with(f"http://127.0.0.1:{control}{WEIGHTS_PATH}", auth)) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "the control plane never answered"
+            time.sleep(0.5)
+        assert weights.status_code == 200
     finally:
         proc.kill()  # the test needs no orderly stop
         proc.wait(timeout=30)

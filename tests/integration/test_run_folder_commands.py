@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from runs import reinforce, start, wait_for_step, write_spec
+from runs import FinishedRun, reinforce, start, wait_for_step, write_spec
 from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics, shown
@@ -26,14 +25,10 @@ from reinforce.core.spec import load_spec
 STEPS = 30  # examples/tiny.yaml's
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """examples/tiny.yaml run to its end in a folder named on the command line, not the spec's."""
-    folder = tmp_path_factory.mktemp("commands")
-    run_dir = folder / "elsewhere"
-    result = reinforce("run", str(write_spec(folder)), "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir, result
+@pytest.fixture
+def finished_run(tiny_run: FinishedRun) -> tuple[Path, FinishedRun]:
+    """tests/conftest.py's tiny_run: examples/tiny.yaml run to its end in a folder named on the command line."""
+    return tiny_run.run_dir, tiny_run
 
 
 @pytest.mark.slow
@@ -124,6 +119,11 @@ def test_generate_answers_with_the_final_model_or_a_checkpoint(finished_run):
     assert short.returncode == 0 and "(3 tokens, " in short.stderr, short.stderr
     missing = reinforce("generate", str(run_dir), prompt, "--checkpoint", "5", timeout=120)
     assert missing.returncode == 2 and "no weights of step 5 (kept: step-000020, step-000030" in missing.stderr
+    # the red team's R4-13: past generation.max_new_tokens's bound, and a temperature that is not a number
+    huge = reinforce("generate", str(run_dir), prompt, "--max-new-tokens", "1000000000", timeout=120)
+    assert huge.returncode == 2 and "--max-new-tokens 1000000000: Input should be less than or equal to" in huge.stderr
+    nan = reinforce("generate", str(run_dir), prompt, "--temperature", "nan", timeout=120)
+    assert nan.returncode == 2 and "--temperature must be a number" in nan.stderr, nan.stderr
 
 
 @pytest.mark.slow
