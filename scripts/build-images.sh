@@ -146,8 +146,21 @@ build_wheelhouse() {
 }
 
 serve_wheelhouse() {  # sets WHEELS_URL; the server stops with this script
+    # The URL is a build argument of the runtime image, so it is part of its layers' cache key: the same port every
+    # time (one derived from the wheelhouse's path), so that a second build reuses the layers that installed the
+    # wheels instead of installing them again; a random free port only where that one is taken.
     local port
-    port="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    port="$("$PYTHON" -c '
+import socket, sys, zlib
+for port in (20000 + zlib.crc32(sys.argv[1].encode()) % 20000, 0):
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds: past TIME_WAIT
+            s.bind(("127.0.0.1", port))
+            print(s.getsockname()[1])
+            break
+    except OSError:
+        continue' "$WHEELS")"
     "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" >/dev/null 2>&1 3>&- &
     WHEELS_SERVER=$!
     trap 'kill "$WHEELS_SERVER" 2>/dev/null || true' EXIT
