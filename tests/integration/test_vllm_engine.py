@@ -435,7 +435,7 @@ def test_lora_versions_that_do_not_fit_are_refused_and_the_adapter_keeps_serving
         (forged["nan-scaling"], "lora_scaling nan is not a finite positive number"),
         (forged["huge-scaling"], "could reach .* past float32"),
         (forged["nan-weights"], "lora_B.weight holds non-finite values"),
-        (forged["lm-head"], "an adapter of 'lm_head', which no LoRA version adapts"),
+        (forged["lm-head"], "an adapter of 'lm_head', none of training.lora.target_modules"),
         (wrong_width, "does not fit the policy"),
         (too_wide, "LoRA rank 16 above the engine's max_lora_rank 8"),
         (policy / "model.safetensors", "a whole-policy weight version, but the engine started with LoRA"),

@@ -11,13 +11,11 @@ vLLM LoRA adapter (`peft_config` describes them in PEFT's format) and applies th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-
-from reinforce.core.spec import LORA_UNADAPTED_MODULES
 
 LORA_FORMAT = "lora"
 _PARTS = (".lora_A.", ".lora_B.")
@@ -79,10 +77,10 @@ def peft_config(shapes: dict[str, tuple[int, ...]], scaling: float) -> dict[str,
     }
 
 
-def read_lora_version(path: Path) -> tuple[dict[str, torch.Tensor], float]:
+def read_lora_version(path: Path, target_modules: Sequence[str]) -> tuple[dict[str, torch.Tensor], float]:
     """The adapters and the scaling of a LoRA weight version file; ValueError naming the file where the scaling is
     not a finite positive number, a tensor holds a non-finite value, an update scaling * B @ A could overflow
-    float32, or a module is one that no LoRA version adapts (LORA_UNADAPTED_MODULES)."""
+    float32, or a module is none of the run's `target_modules` (training.lora)."""
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
         adapters = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
@@ -96,8 +94,8 @@ def read_lora_version(path: Path) -> tuple[dict[str, torch.Tensor], float]:
         if not torch.isfinite(tensor).all():
             raise ValueError(f"{path}: {name} holds non-finite values")
     for module in adapted_modules(adapters):
-        if module.rsplit(".", 1)[-1] in LORA_UNADAPTED_MODULES:
-            raise ValueError(f"{path}: an adapter of {module!r}, which no LoRA version adapts")
+        if module.rsplit(".", 1)[-1] not in target_modules:
+            raise ValueError(f"{path}: an adapter of {module!r}, none of training.lora.target_modules")
         a, b = adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
         largest = float(a.abs().max()) * float(b.abs().max()) * a.shape[0] * scaling  # bounds every |update|
         if not largest < FLOAT32_MAX:

@@ -21,7 +21,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -507,10 +506,6 @@ class GenerationSpec(_Section):
         return "bfloat16" if self.resolved_engine() != "torch" and bfloat16_native else "float32"
 
 
-# Modules a LoRA version never adapts: the generators' engines apply adapters to the decoder's Linear layers.
-LORA_UNADAPTED_MODULES = ("lm_head", "embed_tokens")
-
-
 class LoraSpec(_Section):
     """LoRA adapters (PEFT) on the torch backend: only the adapters train and travel to the generators."""
 
@@ -520,17 +515,9 @@ class LoraSpec(_Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
-        description="Names of the Linear modules that get an adapter (PEFT's target_modules); not lm_head or "
-        "embed_tokens, whose adapters the generators refuse.",
+        description="Names of the Linear modules that get an adapter (PEFT's target_modules); the generators "
+        "refuse a weight version with an adapter of any other.",
     )
-
-    @field_validator("target_modules")
-    @classmethod
-    def _decoder_modules_only(cls, names: list[str]) -> list[str]:
-        unadapted = [name for name in names if name in LORA_UNADAPTED_MODULES]
-        if unadapted:
-            raise ValueError(f"{unadapted}: only the decoder's Linear layers get adapters")
-        return names
 
 
 class TrainingSpec(_Section):

@@ -17,7 +17,7 @@ EngineFactory = Callable[[Path, GenerationSpec, int, LoraSpec | None], Generatio
 def _torch(policy_dir: Path, generation: GenerationSpec, num_samples: int, lora: LoraSpec | None) -> GenerationEngine:
     from reinforce.generator.engines.torch_engine import TorchEngine
 
-    return TorchEngine(policy_dir, generation, num_samples)  # merges each LoRA version into its weights
+    return TorchEngine(policy_dir, generation, num_samples, lora)  # merges each LoRA version into its weights
 
 
 def _vllm(policy_dir: Path, generation: GenerationSpec, num_samples: int, lora: LoraSpec | None) -> GenerationEngine:

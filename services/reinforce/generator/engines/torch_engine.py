@@ -18,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from reinforce.core.hardware import bfloat16_is_native
 from reinforce.core.lora import LORA_FORMAT, adapted_modules, merge_into, read_lora_version
 from reinforce.core.policy import load_policy, load_tokenizer
-from reinforce.core.spec import GenerationSpec
+from reinforce.core.spec import GenerationSpec, LoraSpec
 from reinforce.core.weights import WeightError, module_loader
 from reinforce.generator.engines.base import GenerationEngine, SampledSequence
 from reinforce.generator.engines.common import merge_eos_ids
@@ -29,8 +29,12 @@ class TorchEngine(GenerationEngine):
 
     name = "torch"
 
-    def __init__(self, policy_dir: Path, generation: GenerationSpec, num_samples: int) -> None:
+    def __init__(
+        self, policy_dir: Path, generation: GenerationSpec, num_samples: int, lora: LoraSpec | None = None
+    ) -> None:
+        """`lora`: the run's training.lora, whose target modules are the only ones a LoRA version may adapt."""
         super().__init__(policy_dir, generation, num_samples)
+        self.lora_targets = () if lora is None else tuple(lora.target_modules)
         self.tokenizer = load_tokenizer(policy_dir)
         dtype = getattr(torch, generation.resolved_dtype(bfloat16_is_native("cpu")))
         self.model = load_policy(policy_dir, dtype)  # weight version 0
@@ -48,7 +52,7 @@ class TorchEngine(GenerationEngine):
         if not is_lora:
             self._load(path)
             return
-        adapters, scaling = read_lora_version(path)
+        adapters, scaling = read_lora_version(path, self.lora_targets)
         # LoRA: only adapters travel; the base weights are the ones this engine started with (weight version 0)
         params = dict(self.model.named_parameters())
         for module in adapted_modules(adapters):

@@ -122,6 +122,7 @@ class VLLMEngine(GenerationEngine):
             tokens += KV_BLOCK_TOKENS
             kv_cache_bytes = tokens * _kv_bytes_per_token(config, dtype)
         self.max_lora_rank = None if lora is None else max_lora_rank(lora.rank)
+        self.lora_targets = () if lora is None else tuple(lora.target_modules)
         self._lora: LoRARequest | None = None  # the adapter every request carries; None: the base weights
         self._lora_loads = 0  # adapter ids: one per load, so that vLLM never mistakes a new version for a cached one
         with _dropping(ExpectedLoadWarnings(narrowed_to=getattr(torch, dtype))):
@@ -182,7 +183,8 @@ class VLLMEngine(GenerationEngine):
     def _check_adapter(self, path: Path) -> tuple[dict[str, tuple[int, ...]], float]:
         """(tensor name -> shape, scaling) of a LoRA version that fits the policy: each adapted module is a weight of
         the policy, A is [r, in] and B [out, r] of it, and r is at most the engine's max_lora_rank."""
-        adapters, scaling = read_lora_version(path)  # its numbers first: finite, and no update past float32
+        # its numbers and modules first: finite, no update past float32, only the modules the run adapts
+        adapters, scaling = read_lora_version(path, self.lora_targets)
         shapes = {name: tuple(tensor.shape) for name, tensor in adapters.items()}
         rank = adapter_rank(shapes)
         if rank > (self.max_lora_rank or 0):
