@@ -10,8 +10,9 @@
   thread: two pipelines on two workers no longer run two threads each on both cores.
 - **Shared session results.** `shared_result` builds a session fixture's folder once per run, in whichever worker
   asks first; the other waits for it and reads it (the whole-run baselines).
-- **The budget.** A run of more than `$REINFORCE_TEST_BUDGET_S` seconds of wall time (default 2700: 45 minutes,
-  CI's limit is 90) fails, naming the slowest files; every run prints its files by time.
+- **The budget.** A run of more than `$REINFORCE_TEST_BUDGET_S` seconds of wall time (default 4800: 80 minutes,
+  so that a suite growing past it fails here, naming its slowest files, before it reaches CI's limit of 90 and
+  lands nothing; issue 42's goal is 35) fails; every run prints its files by time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import pytest
 TESTS = Path(__file__).parent
 DURATIONS = TESTS / "durations.json"
 BUDGET_ENV = "REINFORCE_TEST_BUDGET_S"
-DEFAULT_BUDGET_S = 2700.0
+DEFAULT_BUDGET_S = 4800.0
 
 # One scope, so one worker, one test at a time: test ids (fnmatch patterns) and what they share with the rest of the
 # machine.

@@ -178,15 +178,14 @@ def test_two_data_parallel_ranks_train_like_one(tmp_path, tiny_baseline):
 def test_megatron_tensor_parallel_run_trains_like_the_torch_backend(tiny_megatron_baseline, tiny_baseline):
     """backend megatron, tensor_parallel 2 over 2 torchrun ranks (one data-parallel rank: one reader, which shares
     its groups with its tensor peer): the same weights as the torch backend's single rank, each group trained once,
-    and it learns as torch does. Measured 2e-6 after 12 steps (TP=2 against Megatron TP=1: 2e-6; Megatron TP=1
+    the generator's log-probs its own. Measured 2e-6 after 12 steps (TP=2 against Megatron TP=1: 2e-6; Megatron TP=1
     against torch: 8e-7)."""
     assert max_weight_difference(tiny_baseline, tiny_megatron_baseline) < 1e-5
     paths = RunPaths(tiny_megatron_baseline)
     assert_each_step_trained_once(tiny_megatron_baseline, BASELINE_TRAINING["steps"])
     shards = sorted(p.name for p in (paths.checkpoints / "step-000012").glob("model-*"))
     assert shards == ["model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"]
-    rows = read_metrics(paths.metrics)
-    assert_reward_rose(rows, window=3)
+    rows = read_metrics(paths.metrics)  # it learns as the torch backend does (test_tiny_run_learns): same weights
     assert max(r["train_rollouts/logprob_mismatch"] for r in rows) < 1e-4
     assert all(r["train_rollouts/policy_lag"] == 0 for r in rows)
 
