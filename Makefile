@@ -23,8 +23,8 @@ quickstart: install
 tiny: install
 	$(VENV)/bin/reinforce run examples/tiny.yaml --overwrite
 
-# Two pytest-xdist workers, a core each: one pytest process leaves much of 2 cores idle while tests wait on servers,
-# pods and containers. tests/suite_plan.py plans them and fails a run past its time budget (docs/development.md).
+# Two pytest-xdist workers: one pytest process leaves much of 2 cores idle while tests wait on servers, pods and
+# containers. tests/suite_plan.py plans them and fails a run past its time budget (docs/development.md).
 test: install
 	$(PY) -m pytest -n 2
 

@@ -6,8 +6,9 @@
   session fixture), its own id for the files in `PER_TEST` (independent whole runs, spread for balance), else its
   file. Scopes go out longest first by `tests/durations.json` (seconds per scope, written by a whole run with
   `--write-durations`), so no long scope starts last.
-- **A core per worker.** Each worker and everything it starts is pinned to a core of its own, and its torch to one
-  thread: two pipelines on two workers no longer run two threads each on both cores.
+- **No core per worker.** Pinning each worker (and what it starts) to a core of its own was measured (issue 42's
+  note): no test got faster, and a Triton server started on a busy core crashed in its startup (a boost lock
+  exception); the workers share both cores.
 - **Shared session results.** `shared_result` builds a session fixture's folder once per run, in whichever worker
   asks first; the other waits for it and reads it (the whole-run baselines).
 - **The budget.** A run of more than `$REINFORCE_TEST_BUDGET_S` seconds of wall time (default 4800: 80 minutes,
@@ -99,28 +100,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return ByScope(config, log)
 
 
-def worker_index(config: pytest.Config) -> int | None:
-    workerinput = getattr(config, "workerinput", None)
-    return None if workerinput is None else int(workerinput["workerid"].removeprefix("gw"))
-
-
-def pin_to_one_core(index: int, workers: int) -> None:
-    """This process's threads and everything it starts on one core of its own, where there are enough cores:
-    services size their threads by their CPU affinity (core/threads.py), so a pipeline started here runs one thread
-    per process instead of competing with the other worker's for both cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < workers:
-        return
-    core = {cores[index % len(cores)]}
-    for thread in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(thread), core)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch  # imported by the tests anyway; its thread pool was sized to every core
-
-    torch.set_num_threads(1)
-
-
 def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder every worker of this run sees: under xdist the parent of the workers' base folders."""
     base = tmp_path_factory.getbasetemp()
@@ -205,8 +184,5 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    index = worker_index(config)
-    if index is not None:
-        pin_to_one_core(index, int(config.workerinput["workercount"]))
-    else:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
         config.pluginmanager.register(Budget(budget_s()), "reinforce-test-budget")

@@ -422,7 +422,7 @@ def test_lora_versions_that_do_not_fit_are_refused_and_the_adapter_keeps_serving
     save_file({f"{module}.lora_A.weight": torch.zeros(16, 32), f"{module}.lora_B.weight": torch.zeros(32, 16)},
               str(too_wide), metadata)  # fmt: skip
     # the red team's R4-12: numbers no trained adapter has, and a module no LoRA version adapts
-    fitting = {f"{module}.lora_A.weight": torch.full((8, 32), 0.01), f"{module}.lora_B.weight": torch.zeros(32, 8)}
+    fitting = {f"{module}.lora_A.weight": torch.full((8, 32), 0.01), f"{module}.lora_B.weight": torch.ones(32, 8)}
     forged = {}
     for name, scaling, tensors in (("nan-scaling", "nan", fitting), ("huge-scaling", "1e308", fitting),
                                    ("nan-weights", "2.0", {**fitting, f"{module}.lora_B.weight": torch.full(

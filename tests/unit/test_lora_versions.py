@@ -47,4 +47,3 @@ def test_numbers_no_trained_adapter_has_are_refused_naming_the_file(
     path = version(tmp_path, tensors, scaling)
     with pytest.raises(ValueError, match=rf"^{path}: {refusal}"):
         read_lora_version(path, TARGETS)
-
