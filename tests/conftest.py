@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
-# Scopes, a core per worker, shared session results and the time budget of `make test`.
+# Scopes, shared session results and the time budget of `make test` (tests/suite_plan.py).
 pytest_plugins = ["suite_plan"]
 
 

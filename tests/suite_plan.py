@@ -87,15 +87,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
 
-        def schedule(self) -> None:
-            if self.collection is None and self.collection_is_completed and self._check_nodes_have_same_collection():
-                # the first call: xdist fills and sorts the queue (by test count); re-sort it by recorded time
-                super().schedule()
-                queue = sorted(self.workqueue.items(), key=lambda unit: -durations.get(unit[0], 0.0))
-                self.workqueue.clear()
-                self.workqueue.update(queue)
-                return
-            super().schedule()
+        def _assign_work_unit(self, node: object) -> None:
+            # xdist hands out the queue's first scope (its order: by test count); the longest recorded goes first,
+            # the initial ones included (ties, and scopes without a record, keep xdist's order)
+            longest = max(self.workqueue, key=lambda scope: durations.get(scope, 0.0))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return ByScope(config, log)
 
@@ -119,7 +116,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 def shared_result(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
     """`build(folder)`'s path, built once per run in whichever worker asks first (the other waits on a lock and
-    reads it). A build that fails leaves nothing behind, so the next asker builds again and fails by itself."""
+    reads it). A build that fails writes no done file, so the next asker builds again (from an empty folder) and
+    fails by itself."""
     root = shared_folder(tmp_path_factory)
     folder, done = root / name, root / f"{name}.done"
     with _locked(root / f"{name}.lock"):
