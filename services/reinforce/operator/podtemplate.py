@@ -57,9 +57,10 @@ LOADER_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONU
 # What a template may set on the run's container; the rest (command, args, ports, probes, securityContext with
 # privileged and capabilities, lifecycle hooks, ...) is how the operator runs the service.
 CONTAINER_FIELDS = ("name", "image", "imagePullPolicy", "resources", "env", "envFrom", "volumeMounts")
-# The volume kinds the restricted Pod Security Standard allows (no hostPath, no node-level plugins), less inline
-# `csi`: an ephemeral volume of whatever driver the node has, with whatever attributes the run writes
-RESTRICTED_VOLUME_KINDS = frozenset(
+# The volume kinds a template may add: those the restricted Pod Security Standard allows (no hostPath, no node-level
+# plugins), less inline `csi`, an ephemeral volume of whatever driver the node has with whatever attributes the run
+# writes
+TEMPLATE_VOLUME_KINDS = frozenset(
     {"configMap", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
 )
 
@@ -190,10 +191,10 @@ def _volume_refusals(volumes: list[dict[str, Any]], base: list[dict[str, Any]], 
         kinds = set(volume) - {"name"}
         if volume["name"] in own:
             found.append(f"{where}[{i}].name: {volume['name']!r} is the run's own volume")
-        elif kinds - RESTRICTED_VOLUME_KINDS:
+        elif kinds - TEMPLATE_VOLUME_KINDS:
             found.append(
-                f"{where}[{i}]: {', '.join(sorted(kinds - RESTRICTED_VOLUME_KINDS))} is no volume the restricted Pod "
-                f"Security Standard allows ({', '.join(sorted(RESTRICTED_VOLUME_KINDS))})"
+                f"{where}[{i}]: {', '.join(sorted(kinds - TEMPLATE_VOLUME_KINDS))} is no volume a template may add "
+                f"(the restricted Pod Security Standard's, less inline csi: {', '.join(sorted(TEMPLATE_VOLUME_KINDS))})"
             )
         elif any("serviceAccountToken" in s for s in volume.get("projected", {}).get("sources", [])):
             found.append(f"{where}[{i}].projected: no run pod mounts a service account token")
