@@ -170,9 +170,13 @@ def _power(base: int | float, exponent: int | float) -> int | float:
     return base**exponent
 
 
+class _PastDeadline(Exception):
+    """The evaluation ran past its deadline (calculate names the time limit)."""
+
+
 def _evaluate(node: ast.AST, deadline: float) -> int | float:
     if time.monotonic() > deadline:
-        raise ToolError(f"error: the expression took over {CALCULATE_TIMEOUT_S:g} s")
+        raise _PastDeadline
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, deadline)
     if isinstance(node, ast.Constant):
@@ -206,6 +210,8 @@ def calculate(expression: str, timeout_s: float = CALCULATE_TIMEOUT_S) -> int | 
         raise ToolError(f"error: not an expression ({err.msg})") from None
     try:
         return _evaluate(tree, time.monotonic() + timeout_s)
+    except _PastDeadline:
+        raise ToolError(f"error: the expression took over {timeout_s:g} s") from None
     except (ArithmeticError, ValueError, TypeError) as err:  # 1/0, sqrt(-1), min() ...
         raise ToolError(f"error: {err}") from None
 
