@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -440,6 +441,23 @@ def test_escape_fork_bomb(sandboxed: Server) -> None:
     out = python(sandboxed, "import os\nwhile True:\n    os.fork()")
     assert out["timed_out"] or out["exit_code"] != 0, out
     assert python(sandboxed, "print('alive')")["text"] == "alive"  # the next call runs normally
+
+
+# Five processes at once (the call's and four children), all alive for a second.
+FOUR_CHILDREN = (
+    "import os, time\npids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n        time.sleep(1)\n"
+    "        os._exit(0)\n    pids.append(pid)\nprint(sum(os.waitpid(pid, 0)[1] for pid in pids))"
+)
+
+
+def test_concurrent_calls_each_have_their_process_limit(sandboxed: Server) -> None:
+    """max_processes (16 here) is each call's: in the container every call runs as the service's uid, whose every
+    process and thread the kernel counts, the service's own threads and its other calls' processes as well. A
+    reward's test runner (two processes a call) under max_concurrent_calls calls at once failed there to start."""
+    slots = EnvironmentSpec().max_concurrent_calls
+    with ThreadPoolExecutor(slots) as pool:
+        outs = list(pool.map(lambda _: python(sandboxed, FOUR_CHILDREN), range(slots)))
+    assert [(out["exit_code"], out["text"].strip()) for out in outs] == [(0, "0")] * slots, outs
 
 
 def test_escape_memory_bomb(sandboxed: Server) -> None:

@@ -431,8 +431,9 @@ class EnvironmentSpec(_Section):
         ge=1,
         description="python: processes and threads at once (RLIMIT_NPROC), which the kernel counts per uid: as root, "
         "per call slot (each has a uid of its own, which no other environment service on the machine holds); otherwise "
-        "every process and thread of the service's uid on the machine counts (the operator's environment pod runs as "
-        "a uid of its run's own).",
+        "the calls run as the service's uid, whose every process and thread on the machine counts: the calls then "
+        "have max_concurrent_calls x max_processes together, over the service's own threads (the operator's "
+        "environment pod runs as a uid of its run's own).",
     )
     max_concurrent_calls: int = Field(
         4, ge=1, description="Tool calls run at once; more wait their turn (the wait is not on their time limit)."

@@ -17,7 +17,8 @@ Each call runs `python -I jail.py` (see jail.py for what it does, in order) with
                        RLIMIT_NPROC counts that call's processes only;
       user_namespaces  (not root, unprivileged user namespaces allowed) the same namespaces in a user namespace
                        of its own (`--map-root-user`), but the process keeps the service's uid: RLIMIT_NPROC
-                       counts every process of that uid;
+                       counts every process and thread of that uid, so the calls have max_processes
+                       each together, over the service's own threads (Sandbox._process_limit);
       none             rlimits, the empty environment and the scratch folder only: the code can open network
                        connections, read what the service's uid can read and write where it can write; a
                        process that leaves the call's process group escapes the call's kill but not the sweep
@@ -248,6 +249,7 @@ class Sandbox:
         self.hidden = [str(p.resolve()) for p in hidden]
         self.isolation: Isolation = isolation or detect_isolation()
         self.prefix = _unshare_prefix(self.isolation)
+        self.slots = slots
         self.uids: list[int] = []
         if os.getuid() == 0:
             self.uids, locks = claim_uids(slots)
@@ -303,9 +305,19 @@ class Sandbox:
                 "cpu_seconds": math.ceil(lim.time_limit_s) + 1,
                 "memory_bytes": lim.memory_bytes,
                 "file_bytes": lim.file_bytes,
-                "max_processes": lim.max_processes,
+                "max_processes": self._process_limit(),
             }
         )
+
+    def _process_limit(self) -> int:
+        """A call's RLIMIT_NPROC, which the kernel counts over every process and thread of the call's uid. As root
+        each call slot has a uid of its own: max_processes. Otherwise every call runs as the service's uid, where the
+        service's threads and the other calls' processes count too: the calls then have max_processes each
+        together (slots x max_processes), over the service's threads when the call starts (before Python 3.12,
+        asyncio watches each child with a thread of its own, one per call more)."""
+        if self.uids:
+            return self.limits.max_processes
+        return len(os.listdir("/proc/self/task")) + self.slots * (self.limits.max_processes + 1)
 
     async def run(self, code: str) -> RunResult:
         slot = await self.free_slots.get()
