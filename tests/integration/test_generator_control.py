@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,10 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import generate_latest
 from transformers import PreTrainedModel
 
-from reinforce.core.generator_api import HEALTH_PATH, METRICS_PATH, READY_PATH, WEIGHTS_PATH
+from reinforce.core.generator_api import HEALTH_PATH, METRICS_PATH, READY_PATH, WEIGHTS_PATH, load_request_json
 from reinforce.core.policy import load_policy, materialize_policy
 from reinforce.core.queue import RolloutQueue
-from reinforce.core.records_pb2 import Prompt, WeightVersion
+from reinforce.core.records_pb2 import Prompt, RelayPlan, WeightVersion
 from reinforce.core.rollout import WeightReconciler
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec
@@ -426,3 +427,47 @@ def test_the_reconciler_relays_a_version_along_a_chain_of_generators(spec: RunSp
                 g.relay.stop()
                 g.reward.close()
                 g.queue.client.close()
+
+
+def test_a_load_request_naming_relays_the_reconciler_never_planned_is_refused(spec: RunSpec, redis_url: str) -> None:
+    """The red team's R4-6: with the control token alone, a load request's relaySources made a generator send the
+    run's weights token to any host. Only the relays of the reconciler's plan for that version (RelayPlan in Redis)
+    are fetched from; a request naming another is refused (409) and that host is never asked."""
+    asked: list[str] = []
+
+    class Listener(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.headers.get("Authorization", ""))
+            self.send_error(404)
+
+    paths = RunPaths(spec.resolved_run_dir())
+    with (
+        WeightServer(paths.weights, host="127.0.0.1") as trainer,
+        ThreadingHTTPServer(("127.0.0.1", 0), Listener) as attacker,
+    ):
+        threading.Thread(target=attacker.serve_forever, daemon=True).start()
+        trainer_url = trainer.base_url("127.0.0.1")
+        gen = Generator(spec, redis_url, REWARD_URL, "gen-relay", weights_url=trainer_url)
+        gen.queue.delete_run_keys()
+        try:
+            v1 = publish(perturbed_policy(spec, seed=8), paths.weights, 1, base_url=trainer_url)
+            gen.queue.publish_weights(v1)
+            attacker_url = f"http://127.0.0.1:{attacker.server_address[1]}"
+            gen.queue.plan_relays(RelayPlan(version=1, sha256=v1.sha256, sources=["http://127.0.0.1:9"]))
+            with TestClient(control_plane(gen, TOKEN)) as client:
+                for sources in ([attacker_url], ["http://127.0.0.1:9", attacker_url]):
+                    body = load_request_json(v1, sources)
+                    reply = client.post(WEIGHTS_PATH, json=body, headers=AUTH)
+                    assert reply.status_code == 409 and "not planned" in reply.json()["detail"], reply.text
+                gen.queue.plan_relays(RelayPlan(version=2, sha256="other", sources=[attacker_url]))  # another version's
+                reply = client.post(WEIGHTS_PATH, json=load_request_json(v1, [attacker_url]), headers=AUTH)
+                assert reply.status_code == 409 and "no relay plan" in reply.json()["detail"], reply.text
+                reply = client.post(WEIGHTS_PATH, json=load_request_json(v1, None), headers=AUTH)  # direct: fine
+                assert reply.status_code == 202, reply.text
+            gen.apply_desired_weights()
+            assert gen.weights.loaded == 1 and asked == []
+        finally:
+            attacker.shutdown()
+            gen.relay.stop()
+            gen.reward.close()
+            gen.queue.client.close()

@@ -298,6 +298,47 @@ def test_a_corrupted_chunk_is_neither_forwarded_nor_loaded(trainer: WeightServer
         )
 
 
+class _Trickle(BaseHTTPRequestHandler):
+    """A relay that sends the right bytes, one every 0.2 s: never silent for a stall, never done."""
+
+    protocol_version = "HTTP/1.1"
+    payload = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.payload)))
+        self.end_headers()
+        for i in range(len(self.payload)):
+            self.wfile.write(self.payload[i : i + 1])
+            self.wfile.flush()
+            time.sleep(0.2)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_source_trickling_bytes_is_left_at_the_relays_deadline(trainer: WeightServer, tmp_path: Path):
+    """The red team's R4-6: a source sending a byte every 5 s held a version for as long as it liked (the stall
+    never fires). The ancestors have deadline_s for the whole version; then the trainer sends the rest."""
+    weights, tensors = published_on(trainer)
+    trickle = ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("Trickle", (_Trickle,), {"payload": (trainer.weights_dir / NAME).read_bytes()})
+    )
+    trickle.daemon_threads = True
+    threading.Thread(target=trickle.serve_forever, daemon=True).start()
+    relay = Relay(tmp_path / "relay", TOKEN, "127.0.0.1", stall_s=1.0, deadline_s=2.0)
+    relay.start()
+    try:
+        start = time.monotonic()
+        relay.request(weights, [f"http://127.0.0.1:{trickle.server_address[1]}"])
+        assert torch.equal(loaded(relay, weights, trainer)["w"], tensors["w"])
+        assert 2.0 <= time.monotonic() - start < 8.0
+    finally:
+        relay.stop()
+        trickle.shutdown()
+        trickle.server_close()
+
+
 def test_the_relay_endpoint_needs_the_weights_token(trainer: WeightServer, relays: list[Relay]):
     weights, _ = published_on(trainer)
     relays[0].request(weights, [])

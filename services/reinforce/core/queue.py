@@ -35,7 +35,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from reinforce.core.names import REDIS_URL_ENV
-from reinforce.core.records_pb2 import Prompt, PromptKind, RolloutGroup, WeightVersion
+from reinforce.core.records_pb2 import Prompt, PromptKind, RelayPlan, RolloutGroup, WeightVersion
 
 GENERATORS_GROUP = "generators"
 TRAINER_GROUP = "trainer"
@@ -153,6 +153,7 @@ class RolloutQueue:
         self.prompts_key = self.prefix + "prompts"
         self.rollouts_key = self.prefix + "rollouts"
         self.weights_key = self.prefix + "weights"
+        self.relay_plan_key = self.prefix + "relay-plan"
         self.deadletter_key = self.prefix + "deadletter"
         self.validation_key = self.prefix + "validation"
         self._socket_timeout: float | None = kwargs.get("socket_timeout")
@@ -303,6 +304,23 @@ class RolloutQueue:
                 f"{self.weights_key} holds {len(raw)} bytes that are not a WeightVersion: {err}"
             ) from err
         return weights
+
+    def plan_relays(self, plan: RelayPlan) -> None:
+        """Name the relays generators may fetch `plan.version` from (the weight reconciler is the only writer)."""
+        self.client.set(self.relay_plan_key, plan.SerializeToString())
+
+    def relay_plan(self) -> RelayPlan | None:
+        """The reconciler's latest plan, None before the first or where the key holds bytes that do not decode (a
+        generator then fetches from the trainer only)."""
+        raw = self.client.get(self.relay_plan_key)
+        if raw is None:
+            return None
+        plan = RelayPlan()
+        try:
+            plan.ParseFromString(raw)
+        except DecodeError:
+            return None
+        return plan
 
     # --- metrics ------------------------------------------------------------------------------------
 

@@ -101,3 +101,13 @@ class WeightVersion(_message.Message):
     chunk_bytes: int
     chunk_sha256: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, version: _Optional[int] = ..., uri: _Optional[str] = ..., sha256: _Optional[str] = ..., num_bytes: _Optional[int] = ..., published_at: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., chunk_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RelayPlan(_message.Message):
+    __slots__ = ("version", "sha256", "sources")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    sha256: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...

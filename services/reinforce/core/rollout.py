@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from reinforce.core import generator_api as api
 from reinforce.core.names import CONTROL_TOKEN_ENV
 from reinforce.core.queue import RolloutQueue, UnreadableRecord, add_redis_url_argument, connect
-from reinforce.core.records_pb2 import WeightVersion
+from reinforce.core.records_pb2 import RelayPlan, WeightVersion
 from reinforce.core.spec import WeightsSpec
 
 log = logging.getLogger("reinforce.rollout")
@@ -129,7 +129,14 @@ class WeightReconciler:
             return {}
         relays = {s.name: s.relay_url for s in self.states if s.relay_url and s.loaded_version is not None}
         holding = [s.name for s in self.states if s.relay_version == latest.version]
-        return plan_relay(relays, self.relay_fanout, holding)
+        plan = plan_relay(relays, self.relay_fanout, holding)
+        # before any load request names them: a generator fetches only from the relays planned here
+        try:
+            self.queue.plan_relays(RelayPlan(version=latest.version, sha256=latest.sha256, sources=relays.values()))
+        except redis.RedisError as err:  # Redis restarting: this pass asks for direct fetches
+            log.warning("cannot record the relay plan of version %d: %s", latest.version, err)
+            return {}
+        return plan
 
     def _converged(self, version: int | None) -> bool:
         return len(self.states) == len(self.generator_urls) and all(

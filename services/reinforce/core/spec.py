@@ -725,6 +725,12 @@ class WeightsSpec(_Section):
     relay_stall_s: float = Field(
         10.0, gt=0, description="relay: a source that sends nothing this long is left for the next one up the tree."
     )
+    relay_deadline_s: float = Field(
+        120.0,
+        gt=0,
+        description="relay: the ancestors' relays have this long to send a version whole; what is missing then comes "
+        "from the trainer (a source that trickles bytes never stalls).",
+    )
 
 
 class QueueSpec(_Section):

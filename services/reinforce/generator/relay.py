@@ -8,21 +8,25 @@ A generator's Relay fetches the version from the nearest ancestor, checks each c
 chunk_sha256 and only then appends it to the file that its own relay endpoint serves to its successors, while the rest
 is still arriving. A source that fails, refuses, sends a wrong chunk or nothing for `stall_s` is left for the next
 one, resuming at the first unverified byte (Range): its successors fall back to their predecessor's source, and the
-trainer's uri is the last. The whole file's sha256 is checked before the file is loaded, as with a direct fetch:
-nothing unverified is forwarded or loaded.
+trainer's uri is the last. The ancestors have `deadline_s` for the whole version (a source trickling a byte at a time
+never stalls): past it the rest comes from the trainer's uri. The whole file's sha256 is checked before the file is
+loaded, as with a direct fetch: nothing unverified is forwarded or loaded.
 
-    generator:  relay = Relay(cache_dir, token, host, stall_s); relay.start()   # GET /v1/weights/vNNNNNN.safetensors
+    generator:  relay = Relay(cache_dir, token, host, stall_s, deadline_s)
+                relay.start()                           # GET /v1/weights/vNNNNNN.safetensors
                 relay.request(published, ancestors)     # on a load request: the fetch starts in a thread
                 stats = relay.load(engine.load_weights, weights, sources)    # between batches: waits, loads
 
 The relay endpoint checks the run's weights token (REINFORCE_WEIGHTS_TOKEN), as the trainer's does, and the token
-goes only to the addresses the reconciler named: its control token is what vouches for them.
+goes only to the relays the reconciler planned for the version (its RelayPlan in Redis, which the generator checks a
+load request's sources against: the control token alone vouches for none).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,11 +84,18 @@ class Relay:
     """A generator's side of relayed distribution: fetches requested versions and serves them on, as they arrive."""
 
     def __init__(
-        self, cache_dir: Path, token: str, host: str = LOCAL_HOST, port: int = 0, stall_s: float = 10.0
+        self,
+        cache_dir: Path,
+        token: str,
+        host: str = LOCAL_HOST,
+        stall_s: float = 10.0,
+        deadline_s: float = 120.0,
+        port: int = 0,
     ) -> None:
         self.cache_dir = cache_dir
         self.token = token
         self.stall_s = stall_s
+        self.deadline_s = deadline_s
         self._cond = threading.Condition()
         self._transfer: _Transfer | None = None
         self._count = 0  # transfers begun: their files' names
@@ -164,10 +175,11 @@ class Relay:
                 httpx.Client(timeout=timeout, headers=download_headers(self.token)) as client,
             ):
                 used = []  # the sources bytes came from, with how many (the log says how a version travelled)
-                for url in self._sources(transfer, ancestors):
+                deadline = time.monotonic() + self.deadline_s
+                for url, until in self._sources(transfer, ancestors, deadline):
                     before = transfer.verified
                     try:
-                        self._pull(client, url, transfer, out, whole)
+                        self._pull(client, url, transfer, out, whole, until)
                         break
                     except (Transient, WeightError) as err:
                         log.warning("weight version %d: %s failed at byte %d (%s)", weights.version, url,
@@ -187,19 +199,25 @@ class Relay:
             log.error("relay: %s", err)
             self._end(transfer, failed=str(err))
 
-    def _sources(self, transfer: _Transfer, ancestors: list[str]) -> Iterator[str]:
-        """The ancestors' relays nearest first, then the trainer's uri, retried with back-off (a pod restarting)."""
+    def _sources(self, transfer: _Transfer, ancestors: list[str], deadline: float) -> Iterator[tuple[str, float]]:
+        """(url, until when it may send) of the ancestors' relays nearest first, while `deadline` has not passed, then
+        of the trainer's uri, without a deadline and retried with back-off (a pod restarting)."""
         name = weight_path(Path(), transfer.weights.version).name
         for base in ancestors:
-            yield f"{base}{WEIGHTS_ROUTE}{name}"
+            if time.monotonic() >= deadline:
+                break
+            yield f"{base}{WEIGHTS_ROUTE}{name}", deadline
         for delay in (0.0, *weight_files.RETRY_BACKOFF_S):
             time.sleep(delay)
             if transfer.failed:
                 return
-            yield transfer.weights.uri
+            yield transfer.weights.uri, math.inf
 
-    def _pull(self, client: httpx.Client, url: str, transfer: _Transfer, out: BinaryIO, whole: hashlib._Hash) -> None:
-        """Append what `url` sends from the first unverified byte on, a whole matching chunk at a time."""
+    def _pull(
+        self, client: httpx.Client, url: str, transfer: _Transfer, out: BinaryIO, whole: hashlib._Hash, until: float
+    ) -> None:
+        """Append what `url` sends from the first unverified byte on, a whole matching chunk at a time, until the
+        version is whole or the time `until` (Transient then)."""
         weights = transfer.weights
         offset = transfer.verified
         headers = {"Range": f"bytes={offset}-"} if offset else {}
@@ -213,6 +231,8 @@ class Relay:
                 for data in response.iter_raw():
                     if transfer.failed:
                         return
+                    if time.monotonic() > until:
+                        raise Transient(f"the relays' deadline passed ({self.deadline_s:g} s for the whole version)")
                     pending += data
                     self._append_verified(transfer, pending, out, whole)
                     if transfer.verified == weights.num_bytes:  # whatever else it would send is not read

@@ -127,7 +127,8 @@ class Generator:
     def _relay(self, weights_url: str | None, host: str) -> Relay | None:
         if weights_url is None:  # weights.transport file: every generator reads the shared folder
             return None
-        relay = Relay(self.weight_cache / "relay", self.weights_token, host, stall_s=self.spec.weights.relay_stall_s)
+        w = self.spec.weights
+        relay = Relay(self.weight_cache / "relay", self.weights_token, host, w.relay_stall_s, w.relay_deadline_s)
         relay.start()
         return relay
 
@@ -158,9 +159,20 @@ class Generator:
                 f"({'none yet' if published is None else published.version})"
             )
         if relay_sources is not None and self.relay is not None:
-            self.relay.request(published, relay_sources)
+            self.relay.request(published, self._planned(published, relay_sources))
         with self.weights.lock:
             self.weights.desired = weights
+
+    def _planned(self, published: WeightVersion, relay_sources: list[str]) -> list[str]:
+        """`relay_sources` if the weight reconciler planned every one for `published` (its RelayPlan in Redis), else
+        NotPublished: a load request needs only the control token, and the weights token goes to each source."""
+        plan = self.queue.relay_plan()
+        if plan is None or (plan.version, plan.sha256) != (published.version, published.sha256):
+            raise NotPublished(f"weight version {published.version}: no relay plan for it, relay sources refused")
+        unplanned = [url for url in relay_sources if url not in plan.sources]
+        if unplanned:
+            raise NotPublished(f"weight version {published.version}: relay sources {unplanned} were not planned")
+        return relay_sources
 
     def published_weights(self) -> WeightVersion | None:
         """The run's published version from Redis. An undecodable record raises UnreadableRecord, counted, and logged
