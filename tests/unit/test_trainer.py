@@ -334,3 +334,48 @@ def test_metrics_rewrite_on_resume_is_atomic_and_appending_continues(tmp_path, m
     metrics.record(2, values)
     metrics.close()
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
+
+
+def _moved(backend, seed: int) -> None:
+    """A version on: every weight moved by seeded noise, far enough that log-probs differ past the refusal's limit."""
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in backend.trainable_parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=noise))
+    backend._refresh_compute()
+
+
+def test_groups_claiming_an_earlier_version_are_checked_against_its_weights(tmp_path):
+    """The red team's R4-7: asynchronous mode checked the current version's groups only, so forged groups claiming
+    the previous version (log-probs of -30 a token) were trained on. A group is checked against the weights of the
+    version it claims, which the backend keeps for max_policy_lag versions; one claiming a version this process
+    never kept (it started since) is refused too."""
+    from reinforce.trainer.algorithms import build_algorithm
+    from reinforce.trainer.algorithms.reinforce import earlier_versions_mismatched
+
+    spec, backend = _tiny_run(tmp_path, max_policy_lag=1)
+    limit, temperature = spec.training.max_logprob_mismatch, 1.0
+    backend.keep_version(0, oldest=-1)
+    honest_v0, _ = _honest_and_forged(backend)
+    forged_v0 = _group("0-1", [[-30.0] * 3, [-30.0] * 2])
+    _moved(backend, seed=3)
+    backend.keep_version(1, oldest=0)
+    honest_v1, _ = _honest_and_forged(backend)
+    honest_v1.policy_version = 1
+    groups = [honest_v0, forged_v0, honest_v1]
+    with torch.no_grad():
+        now, _ = backend.policy_logprobs([[1, 2]] * 2, RESPONSES, temperature)
+    assert earlier_versions_mismatched(groups, backend, 1, limit, temperature).tolist() == [False, True, False]
+    with torch.no_grad():
+        assert torch.equal(backend.policy_logprobs([[1, 2]] * 2, RESPONSES, temperature)[0], now)  # swapped back
+    # version 0's log-probs claiming version 1 are refused: each claim is checked against its own version's weights
+    claims_v1 = RolloutGroup()
+    claims_v1.CopyFrom(honest_v0)
+    claims_v1.policy_version = 1
+    assert earlier_versions_mismatched([claims_v1, honest_v0], backend, 2, limit, temperature).tolist() == [True, False]
+    values = build_algorithm(spec, Ranks()).update(StepBatch.from_groups(groups[:2]), backend, version=1)
+    assert values["train_rollouts/refused_mismatched_groups"] == 1.0
+
+    _, backend = _tiny_run(tmp_path / "resumed", max_policy_lag=1)
+    backend.keep_version(1, oldest=0)
+    assert earlier_versions_mismatched([honest_v0], backend, 1, limit, temperature).tolist() == [True]

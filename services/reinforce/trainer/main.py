@@ -313,6 +313,9 @@ class Trainer:
         would still move the weights (AdamW's momentum and decay)."""
         skipped_before = self.backend.skipped_nonfinite_steps
         reset_peak_rss()
+        lag = self.spec.algorithm.max_policy_lag
+        if lag > 0:  # the weights of this step's version, which later groups may claim (up to lag steps on)
+            self.backend.keep_version(self.step, oldest=self.step - lag)
         if self.ranks.sum(batch.num_samples) == 0:
             log.warning("step %d: every sample was dropped; the step is skipped", self.step)
             values = {"train_optim/lr": self.backend.skip_step(), "train_optim/skipped_empty_steps": 1.0}

@@ -50,7 +50,11 @@ from reinforce.trainer.algorithms.aggregation import step_normalizer
 from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
 from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import generalized_advantages, ppo_policy_loss, token_rewards
-from reinforce.trainer.algorithms.reinforce import mismatched_groups, truncated_importance_weights
+from reinforce.trainer.algorithms.reinforce import (
+    earlier_versions_mismatched,
+    mismatched_groups,
+    truncated_importance_weights,
+)
 from reinforce.trainer.algorithms.tensors import kl_per_token, masked_mean, masked_whiten
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import (
@@ -227,7 +231,9 @@ class PPO(Algorithm):
         mismatch = TokenStats()
         mismatch.add((behaviour - old_logprobs).abs(), masks * same_version.unsqueeze(-1))
         limit = self.spec.training.max_logprob_mismatch
-        refused_samples = mismatched_groups(behaviour, old_logprobs, masks, same_version, k, limit).repeat_interleave(k)
+        refused = mismatched_groups(behaviour, old_logprobs, masks, same_version, k, limit)
+        refused |= earlier_versions_mismatched(batch.groups, backend, version, limit, temperature)
+        refused_samples = refused.repeat_interleave(k)
         keep = batch.keep.reshape(-1) & ~refused_samples
         mask = masks * keep.unsqueeze(-1)
         importance_weights, weights = None, TokenStats()

@@ -39,6 +39,9 @@ a constant like A_i, so the gradient estimates the current policy's. A bfloat16 
 samples from a slightly different mu even on-policy; `correct_engine_mismatch` (on for those engines) applies the
 same weight there (truncated importance sampling, as Yao et al. 2025 propose for vLLM-sampled RL). It costs
 nothing but an element-wise ratio; with mu = pi it is 1 and changes nothing.
+A group claims the version that sampled it; one claiming an earlier version is checked against that version's
+own log-probs, as the current version's groups are against the live weights (earlier_versions_mismatched: the
+backend keeps the last max_policy_lag versions' weights), and refused when they are far from them.
 
 N is the number of response tokens in the whole step's batch, so the loss is the masked token mean and
 gradient accumulation over micro-batches adds up to exactly the full-batch gradient. `algorithm.loss_aggregation`
@@ -57,6 +60,7 @@ import torch
 from torch import Tensor
 
 from reinforce.core.packing import packing_metrics
+from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.registry import AdvantageEstimator
 from reinforce.trainer.algorithms.advantages import (
     dr_grpo_advantages,
@@ -156,6 +160,29 @@ def mismatched_groups(
     return (~(gap.view(-1, k) <= limit)).any(-1) & same_version.view(-1, k).all(-1)
 
 
+def earlier_versions_mismatched(
+    groups: list[RolloutGroup], backend: TrainerBackend, version: int, limit: float, temperature: float
+) -> Tensor:
+    """[G] bool: groups sampled by an earlier version than `version` (max_policy_lag > 0) whose log-probs are far
+    from that version's own (`mismatched_groups` against the weights the backend kept of it: `keep_version`), or
+    claim a version this process never kept (it started since): a group can claim any version the trainer
+    accepts, so each is checked against the weights it names, or refused."""
+    refused = torch.zeros(len(groups), dtype=torch.bool)
+    for index, group in enumerate(groups):
+        if group.policy_version == version:
+            continue  # checked against the live weights, in the update's own pass
+        prompt_ids, response_ids = token_lists([group])
+        earlier = backend.version_logprobs(group.policy_version, prompt_ids, response_ids, temperature)
+        if earlier is None:
+            refused[index] = True
+            continue
+        logprobs, mask = earlier
+        k = len(group.samples)
+        behaviour = generator_logprobs([group], like=logprobs)
+        refused[index] = mismatched_groups(behaviour, logprobs, mask, torch.ones(k, dtype=torch.bool), k, limit)[0]
+    return refused
+
+
 @dataclass(frozen=True)
 class TokenAdvantages:
     """What the loss needs from any estimator: per-token advantages and, for the metrics, each sample's KL."""
@@ -240,6 +267,8 @@ class Reinforce(Algorithm):
         advantages_abs, mismatch, weights, clipped = TokenStats(), TokenStats(), TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
         kl, advantage_means = torch.zeros(batch.keep.numel()), torch.zeros(batch.keep.numel())
+        limit = t.max_logprob_mismatch
+        earlier_refused = earlier_versions_mismatched(batch.groups, backend, version, limit, temperature)
         parts = micro_batches(
             *token_lists(batch.groups), t, k, whole_groups=True, shares_prompts=backend.shares_prompts
         )
@@ -259,7 +288,7 @@ class Reinforce(Algorithm):
             groups = [batch.groups[i] for i in rows.tolist()]
             behaviour = generator_logprobs(groups, like=logprobs)
             same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
-            refused = mismatched_groups(behaviour, logprobs, mask, same_version, k, t.max_logprob_mismatch)
+            refused = mismatched_groups(behaviour, logprobs, mask, same_version, k, limit) | earlier_refused[rows]
             refused_groups += int(refused.sum())
             loss_mask = mask * (batch.keep[rows] & ~refused.unsqueeze(-1)).reshape(-1, 1)
             loss = self.loss(logprobs, behaviour, adv.advantages, loss_mask, normalizer, weights, clipped)

@@ -43,6 +43,9 @@ class TrainerBackend(ABC):
     scheduler: torch.optim.lr_scheduler.LRScheduler
     skipped_nonfinite_steps = 0  # optimizer steps skipped for a non-finite gradient norm, in this process's life
 
+    def __init__(self) -> None:
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}  # earlier versions' weights (`keep_version`)
+
     @abstractmethod
     def policy_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
@@ -60,6 +63,41 @@ class TrainerBackend(ABC):
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
     ) -> torch.Tensor:
         """log pi_ref of each response token [B, T] under the frozen initial policy (no gradient)."""
+
+    @abstractmethod
+    def logprob_module(self) -> torch.nn.Module:
+        """The module `policy_logprobs` runs (this process's part of it, when sharded)."""
+
+    # ---- earlier versions (max_policy_lag > 0) ----------------------------------------------------------------
+    def keep_version(self, version: int, oldest: int) -> None:
+        """Remember the weights as they are now as `version`, and forget those of versions before `oldest`: a group
+        sampled by an earlier version is checked against that version's own log-probs (`version_logprobs`). Only
+        what trains is kept (LoRA: the adapters), one copy per version, in this process's memory."""
+        for old in [v for v in self._versions if v < oldest]:
+            del self._versions[old]
+        module = self.logprob_module()
+        self._versions[version] = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def version_logprobs(
+        self, version: int, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(log pi [B, T] under the kept weights of `version`, mask [B, T]), or None if this process never kept them
+        (it started since). The kept tensors are swapped into the parameters for the pass and swapped back."""
+        kept = self._versions.get(version)
+        if kept is None:
+            return None
+        parameters = dict(self.logprob_module().named_parameters())
+
+        def swap() -> None:
+            for name, tensor in kept.items():
+                parameters[name].data, kept[name] = tensor, parameters[name].data
+
+        swap()
+        try:
+            return self.policy_logprobs(prompt_ids, response_ids, temperature)
+        finally:
+            swap()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -49,6 +49,7 @@ class TorchBackend(TrainerBackend):
     name = "torch"
 
     def __init__(self, training: TrainingSpec, policy_dir: Path, ranks: Ranks) -> None:
+        super().__init__()
         self.training = training
         self.ranks = ranks
         self.policy_dir = policy_dir
@@ -92,6 +93,9 @@ class TorchBackend(TrainerBackend):
         for model in (self.compute, self.reference):
             if model is not None and model.config._attn_implementation != kernel:
                 model.set_attn_implementation(kernel)
+
+    def logprob_module(self) -> torch.nn.Module:
+        return self.compute
 
     def policy_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float

@@ -44,6 +44,7 @@ class MegatronBackend(TrainerBackend):
     shares_prompts = False  # model._response_states runs every row's whole sequence
 
     def __init__(self, training: TrainingSpec, policy_dir: Path, ranks: Ranks) -> None:
+        super().__init__()
         self.training = training
         self.ranks = ranks
         # The trainer seeded torch with the run's seed just before; Megatron's per-rank RNG tracker follows it.
@@ -70,6 +71,9 @@ class MegatronBackend(TrainerBackend):
         t = training
         self.optimizer = adamw(self.policy.parameters(), t.lr, t.adam_betas, t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(t, s))
+
+    def logprob_module(self) -> torch.nn.Module:
+        return self.policy
 
     def policy_logprobs(
         self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float
