@@ -609,9 +609,11 @@ class TrainingSpec(_Section):
     max_logprob_mismatch: float = Field(
         0.5,
         gt=0,
-        description="A group sampled by the very version being trained whose mean |generator log-prob - trainer "
-        "log-prob| exceeds this is refused and counted (`train_rollouts/refused_mismatched_groups`): other weights "
-        "sampled it (docs/engines.md, for the engines' usual mismatch).",
+        description="A group whose mean |generator log-prob - trainer log-prob| under the weights of the version it "
+        "claims (the one being trained, or with max_policy_lag one of the last ones, which the trainer keeps) "
+        "exceeds this is refused and counted (`train_rollouts/refused_mismatched_groups`): other weights sampled it "
+        "(docs/engines.md, for the engines' usual mismatch). After a restart, a group claiming a version from before "
+        "it is refused too: its weights are gone.",
     )
     checkpoint_every: int = Field(10, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
