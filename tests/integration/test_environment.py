@@ -460,6 +460,27 @@ def test_concurrent_calls_each_have_their_process_limit(sandboxed: Server) -> No
     assert [(out["exit_code"], out["text"].strip()) for out in outs] == [(0, "0")] * slots, outs
 
 
+# Every signal that ends a process by default, to the call's parent and to PID 1 (in the container: the service;
+# in namespaces: the call itself, left out).
+SIGNAL_THE_SERVICE = (
+    "import os, signal\nfor target in sorted({os.getppid(), 1} - {0, os.getpid()}):\n"
+    "    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT, signal.SIGKILL):\n"
+    "        try:\n            os.kill(target, sig)\n        except OSError:\n            pass\nprint('sent')"
+)
+
+
+def test_escape_signals_to_the_service(sandboxed: Server) -> None:
+    """The red team's R4-3: in a pod or container (isolation none) the calls run as the service's uid, and a call's
+    os.kill(os.getppid(), SIGTERM) stopped it (four restarts and the run was Failed). The service takes SIGTERM
+    and SIGINT only from outside its calls (sandbox.guard_shutdown_signals); PID 1 of the container ignores the
+    others, which it has no handler for."""
+    assert python(sandboxed, SIGNAL_THE_SERVICE)["text"].strip() == "sent"
+    time.sleep(1)  # a graceful stop would have begun by now
+    assert python(sandboxed, "print('alive')")["text"] == "alive"
+    if sandboxed.container:
+        assert docker("inspect", "--format", "{{.State.Running}} {{.RestartCount}}", sandboxed.container) == "true 0"
+
+
 def test_escape_memory_bomb(sandboxed: Server) -> None:
     out = python(sandboxed, "x = bytearray(1 << 30)")  # 1 GiB over the 256 MB limit
     assert out["exit_code"] == 1 and "MemoryError" in out["text"], out

@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 
@@ -90,6 +91,8 @@ def _limit(kind: int, value: int) -> None:
 
 
 def confine(config: dict) -> None:
+    # the service blocks these to take them from its calls' reach (sandbox.guard_shutdown_signals); not the calls
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     if config["mount_namespace"]:
         _private_mounts(config["scratch"], config["file_bytes"], config["hidden"], config["uid"])
     else:

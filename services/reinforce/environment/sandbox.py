@@ -48,8 +48,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -173,14 +175,57 @@ def become_subreaper() -> None:
 
 def _children() -> list[int]:
     """The pids whose parent is this process (from /proc: a reparented orphan is listed under no thread of ours)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # the command name, in parentheses, may hold spaces
-                    found.append(int(entry))
-    return found
+    me = os.getpid()
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _parent(int(entry)) == me]
+
+
+SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+# A sender already gone is taken for a call's while calls run or for this long after one ended.
+GONE_SENDER_WINDOW_S = 2.0
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the command name, in parentheses, may hold spaces
+
+
+def _descends_from_me(pid: int) -> bool | None:
+    """Whether process `pid` is a descendant of this one (None: it is gone). A call's processes all are: a call is
+    this process's child, and what leaves its tree is reparented here (become_subreaper)."""
+    me, parent = os.getpid(), _parent(pid)
+    if parent is None:
+        return None
+    while parent not in (me, 0, 1):
+        parent = _parent(parent)
+        if parent is None:
+            return False  # an ancestor ended meanwhile: what it left was reparented, here or to init
+    return parent == me
+
+
+def guard_shutdown_signals(stop: Callable[[signal.Signals], None], sandbox_busy: Callable[[], bool]) -> None:
+    """SIGTERM and SIGINT stop the service unless a tool call sent them. Isolation none runs calls as the service's
+    uid, so any call may signal it (`os.kill(os.getppid(), SIGTERM)`); the container's PID 1 ignores only the
+    signals it has no handler for. Blocks both in this thread (call it before any other thread starts: threads
+    inherit the mask; jail.py unblocks them in each call) and waits for them in a thread of its own, which calls
+    `stop` for one sent from outside this PID namespace (the container runtime's) or by a process that does not
+    descend from this one; a call's (a descendant, or a sender already gone while `sandbox_busy()`) is logged and
+    dropped."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo(SHUTDOWN_SIGNALS)
+            name = signal.Signals(info.si_signo)
+            descends = _descends_from_me(info.si_pid) if info.si_pid else False
+            if descends or (descends is None and sandbox_busy()):
+                log.warning("ignored %s from process %d: a tool call's", name.name, info.si_pid)
+                continue
+            stop(name)
+
+    threading.Thread(target=wait, name="shutdown-signals", daemon=True).start()
 
 
 def kill_strays(live: set[int]) -> int:
@@ -261,6 +306,7 @@ class Sandbox:
         self.reap_strays = reap_strays
         self.live: set[int] = set()  # the calls' own processes
         self.starting = 0  # calls between fork and being added to `live`: a sweep now could take one for a stray
+        self.last_end = -math.inf  # time.monotonic() when the last call ended
         if self.reap_strays:
             become_subreaper()
 
@@ -330,6 +376,11 @@ class Sandbox:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             self.free_slots.put_nowait(slot)
+            self.last_end = time.monotonic()
+
+    def busy(self) -> bool:
+        """Whether a call runs, or one ended within GONE_SENDER_WINDOW_S (guard_shutdown_signals)."""
+        return bool(self.live or self.starting) or time.monotonic() - self.last_end < GONE_SENDER_WINDOW_S
 
     async def _run(self, code: str, scratch: Path, uid: int) -> RunResult:
         self.starting += 1

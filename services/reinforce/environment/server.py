@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -60,7 +61,7 @@ from reinforce.core.names import (
     INVALID_TOOL,
 )
 from reinforce.core.spec import EnvironmentSpec, load_spec
-from reinforce.environment.sandbox import Limits, Sandbox, make_undumpable
+from reinforce.environment.sandbox import Limits, Sandbox, guard_shutdown_signals, make_undumpable
 from reinforce.environment.tools import (
     Tool,
     ToolContext,
@@ -342,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         parser.error(f"${ENVIRONMENT_TOKEN_ENV} must hold the environment service's bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stopper = _Stopper()
+    guard_shutdown_signals(stopper.stop, stopper.sandbox_busy)  # before any thread starts
     listener = bind_unix_socket(args.uds) if args.uds else None
     if args.run_as:
         if listener is None:
@@ -357,9 +360,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
         start_http_server(args.metrics_port, addr=args.host, registry=env.metrics.registry)
     if listener is None:
-        uvicorn.run(create_app(env, token), host=args.host, port=args.port, log_level="warning")
+        config = uvicorn.Config(create_app(env, token), host=args.host, port=args.port, log_level="warning")
     else:
-        uvicorn.Server(uvicorn.Config(create_app(env, token), log_level="warning")).run(sockets=[listener])
+        config = uvicorn.Config(create_app(env, token), log_level="warning")
+    stopper.sandbox, stopper.server = sandbox, uvicorn.Server(config)
+    stopper.server.run(sockets=None if listener is None else [listener])
+
+
+@dataclass
+class _Stopper:
+    """What uvicorn's own signal handler does, for the signals guard_shutdown_signals lets through (uvicorn's never
+    runs: they are blocked): a graceful stop, forced on the second signal; before the server exists, exit at once."""
+
+    sandbox: Sandbox | None = None
+    server: uvicorn.Server | None = None
+
+    def stop(self, signum: signal.Signals) -> None:
+        if self.server is None:
+            os._exit(128 + signum)
+        log.info("%s: stopping", signum.name)
+        self.server.force_exit = self.server.should_exit
+        self.server.should_exit = True
+
+    def sandbox_busy(self) -> bool:
+        return self.sandbox is not None and self.sandbox.busy()
 
 
 def bind_unix_socket(path: str) -> socket.socket:
