@@ -487,6 +487,51 @@ def test_escape_memory_bomb(sandboxed: Server) -> None:
     assert python(sandboxed, "print('alive')")["text"] == "alive"
 
 
+# Four children holding 150 MB each (touched, so resident): under the 256 MB limit each, over it together.
+FOUR_HOLDERS = (
+    "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        held = b'1' * (150 << 20)\n"
+    "        time.sleep(2)\n        os._exit(0)\nfor _ in range(4):\n    os.wait()\nprint('held')"
+)
+
+
+def test_escape_memory_spread_over_processes(sandboxed: Server) -> None:
+    """The red team's R4-5: memory_limit_mb bounded each process (RLIMIT_AS), not a call: one call forking 8
+    children held 3.3 GB under 512 MB. The call's processes together are held to it (summed every
+    MEMORY_POLL_S): the call is stopped and says so."""
+    start = time.monotonic()
+    out = python(sandboxed, FOUR_HOLDERS)
+    assert out["memory_exceeded"] and out["text"].endswith("[memory limit of 256 MB exceeded]"), out
+    assert out["signal"] == "SIGKILL" and not out["timed_out"] and time.monotonic() - start < 2
+    assert python(sandboxed, "print('alive')")["text"] == "alive"
+
+
+# Leaves a file in each folder every process can write, and one in its working folder; then waits.
+LEAVE_FILES = (
+    "import os, time\nfor folder in ('/tmp', '/var/tmp', '/dev/shm', '.'):\n    try:\n"
+    "        with open(os.path.join(folder, 'left-{tag}.txt'), 'w') as f:\n            f.write('secret')\n"
+    "    except OSError:\n        pass\nprint('left', flush=True)\ntime.sleep({wait})"
+)
+# Every file named left-* it can reach: in the shared folders, their subfolders, and other processes' cwd.
+FIND_FILES = (
+    "import glob\nfound = []\nfor pattern in ('/tmp/left-*', '/tmp/*/left-*', '/var/tmp/left-*', '/dev/shm/left-*',"
+    " '/proc/*/cwd/left-*'):\n    found += glob.glob(pattern)\nprint(sorted(found))"
+)
+
+
+def test_escape_another_calls_files_and_files_left_behind(sandboxed: Server) -> None:
+    """The red team's R4-4: under isolation none (a pod, the container) calls of different episodes read and rewrote
+    each other's files (/tmp/*/, /proc/*/cwd/), and files left in /tmp were there for the next call. There, calls
+    now run one at a time (environment.unsafe_concurrent_calls off) and what one left in /tmp, /var/tmp or /dev/shm
+    is removed before the next; in namespaces each call has those folders of its own."""
+    with ThreadPoolExecutor(2) as pool:
+        writer = pool.submit(python, sandboxed, LEAVE_FILES.format(tag="a", wait=1.5))
+        time.sleep(0.5)  # the writer's call has begun (or, one at a time, this one waits for it to end)
+        reader = pool.submit(python, sandboxed, FIND_FILES)
+        assert writer.result()["text"].strip() == "left" and reader.result()["text"].strip() == "[]", reader.result()
+    python(sandboxed, LEAVE_FILES.format(tag="b", wait=0))
+    assert python(sandboxed, FIND_FILES)["text"].strip() == "[]"
+
+
 def test_escape_infinite_loop(sandboxed: Server) -> None:
     start = time.monotonic()
     out = python(sandboxed, "while True:\n    pass")

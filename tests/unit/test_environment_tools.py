@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from reinforce.core.environment_api import Observation, holds_tool_call
-from reinforce.core.spec import SpecError, parse_spec
+from reinforce.core.spec import EnvironmentSpec, SpecError, parse_spec
 from reinforce.environment.sandbox import RunResult
 from reinforce.environment.tools import (
     CALCULATE_TIMEOUT_S,
@@ -140,12 +140,14 @@ def test_calculator_runs_off_the_event_loop() -> None:
     assert observation.text == "0" and ticks > 1
 
 
-def test_python_observation_says_stderr_exit_and_timeout() -> None:
-    failed = python_observation(RunResult("out\n", "Traceback\n", 1, False, None, 14), 5.0)
+def test_python_observation_says_stderr_exit_timeout_and_memory() -> None:
+    failed = python_observation(RunResult("out\n", "Traceback\n", 1, False, None, 14), EnvironmentSpec())
     assert failed.text == "out\n[stderr]\nTraceback\n[exit code 1]" and failed.error
-    stopped = python_observation(RunResult("", "", None, True, "SIGKILL", 0), 2.5)
+    stopped = python_observation(RunResult("", "", None, True, "SIGKILL", 0), EnvironmentSpec(time_limit_s=2.5))
     assert stopped.text == "[timeout after 2.5 s]" and stopped.timed_out and stopped.signal == "SIGKILL"
-    assert python_observation(RunResult("", "", 0, False, None, 0), 5.0).text == "[no output]"
+    assert python_observation(RunResult("", "", 0, False, None, 0), EnvironmentSpec()).text == "[no output]"
+    spent = python_observation(RunResult("", "", -9, False, "SIGKILL", 0, memory_exceeded=True), EnvironmentSpec())
+    assert spent.text == "[memory limit of 512 MB exceeded]" and spent.memory_exceeded and spent.error
 
 
 def test_tools_are_built_in_names_or_module_and_class() -> None:

@@ -74,6 +74,9 @@ class Observation(_Body):
     tool: str | None = Field(None, description="The tool that ran; None for a call that named no known tool.")
     exit_code: int | None = Field(None, description="python: the program's exit code; None after a timeout.")
     timed_out: bool = Field(False, description="The call was stopped at environment.time_limit_s.")
+    memory_exceeded: bool = Field(
+        False, description="python: stopped when its processes together held over environment.memory_limit_mb."
+    )
     error: bool = Field(
         False, description="The call failed: a malformed call, a tool error, a nonzero exit, a timeout."
     )
@@ -119,6 +122,10 @@ class ReadyResponse(_Body):
     ready: bool
     isolation: str = Field(description="The sandbox's isolation: namespaces, user_namespaces or none.")
     python: str = Field(description="The interpreter the python tool runs.")
+    concurrent_calls: int = Field(
+        description="Calls the sandbox runs at once: environment.max_concurrent_calls, or 1 where the calls would "
+        "share a uid without namespaces (environment.unsafe_concurrent_calls)."
+    )
     tools: list[str]
     open_episodes: int
 
@@ -134,6 +141,9 @@ class RunResponse(_Body):
     stderr: str
     exit_code: int | None = Field(description="None when it was stopped at environment.time_limit_s.")
     timed_out: bool
+    memory_exceeded: bool = Field(
+        False, description="Stopped when its processes together held over environment.memory_limit_mb."
+    )
     signal: str | None = Field(None, description="The signal that ended the program (SIGKILL, SIGXCPU, ...).")
     truncated: bool = Field(False, description="stdout or stderr was cut.")
 

@@ -418,7 +418,11 @@ class EnvironmentSpec(_Section):
         2000, ge=64, description="An observation (stdout, stderr, exit code) is cut to this many characters."
     )
     memory_limit_mb: int = Field(
-        512, ge=64, description="python: address-space limit of the sandboxed process (RLIMIT_AS)."
+        512,
+        ge=64,
+        description="python: the address space of each of a call's processes (RLIMIT_AS), and the resident memory "
+        "of all of them together, summed every 0.1 s (a call over it is stopped: `memory_exceeded`; between two looks "
+        "it may hold more, which the pod's or container's memory limit bounds).",
     )
     file_limit_mb: int = Field(
         16,
@@ -436,7 +440,17 @@ class EnvironmentSpec(_Section):
         "environment pod runs as a uid of its run's own).",
     )
     max_concurrent_calls: int = Field(
-        4, ge=1, description="Tool calls run at once; more wait their turn (the wait is not on their time limit)."
+        4,
+        ge=1,
+        description="Tool calls run at once; more wait their turn (the wait is not on their time limit). Isolation "
+        "none without root (the operator's environment pod, the compose container) runs one at a time unless "
+        "unsafe_concurrent_calls.",
+    )
+    unsafe_concurrent_calls: bool = Field(
+        False,
+        description="Isolation none without root: run max_concurrent_calls at once although the calls share the "
+        "service's uid, so that each can read and change the others' files and signal their processes. Off, they run "
+        "one at a time and what one left in /tmp, /var/tmp or /dev/shm is removed before the next.",
     )
     max_episodes: int = Field(
         256, ge=1, description="Open episodes; starting one more is refused (429) until one ends or expires."

@@ -93,6 +93,7 @@ def _limit(kind: int, value: int) -> None:
 def confine(config: dict) -> None:
     # the service blocks these to take them from its calls' reach (sandbox.guard_shutdown_signals); not the calls
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    os.umask(0o077)  # what a call writes is its uid's alone
     if config["mount_namespace"]:
         _private_mounts(config["scratch"], config["file_bytes"], config["hidden"], config["uid"])
     else:

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -67,12 +68,15 @@ SANDBOX_UID_BASE = 61000  # root only: the lowest uid/gid a call runs as (claim_
 UID_LOCKS = Path("/run/reinforce-sandbox-uids")  # root only: a lock file per sandbox uid, held by the service using it
 PATH = "/usr/local/bin:/usr/bin:/bin"
 EXIT_POLL_S = 0.01  # how often a call's process is looked at for its exit
+MEMORY_POLL_S = 0.1  # how often a call's processes' memory is summed (and what left a call's tree is killed)
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 DRAIN_AFTER_EXIT_S = 0.5  # after the program's exit, how long its output may take to be read
 DRAIN_AFTER_KILL_S = 2.0  # after the kill, how long the output pipes may take to close
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 MAX_SWEEPS = 64  # a stray's children reparent here when it is killed: each sweep takes one generation
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")  # where any call can write without a mount namespace of its own
 # Imports a module of the standard library's compiled extensions, which the jail has not loaded yet.
 PROBE = b"import _socket, json\nprint('ok')\n"
 
@@ -103,6 +107,7 @@ class RunResult:
     timed_out: bool
     signal: str | None  # the signal that ended the process (SIGKILL after a timeout, SIGXCPU, ...), if one did
     output_bytes: int  # stdout and stderr as written, before anything was dropped
+    memory_exceeded: bool = False  # killed: its processes together held more than the memory limit
 
 
 def _unshare_prefix(isolation: Isolation) -> list[str]:
@@ -157,6 +162,13 @@ def detect_isolation() -> Isolation:
     return "none"
 
 
+def _entries(folder: str) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()
+
+
 def _prctl(option: int, value: int, name: str) -> None:
     if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({name}, {value})")
@@ -184,12 +196,34 @@ SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 GONE_SENDER_WINDOW_S = 2.0
 
 
-def _parent(pid: int) -> int | None:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the third (state) on, or None when the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the command name, in parentheses, may hold spaces
+    return stat.rsplit(")", 1)[1].split()  # the command name, in parentheses, may hold spaces
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else int(fields[1])
+
+
+def tree_memory_bytes(root: int) -> int:
+    """Resident memory of process `root` and of every process that descends from it, summed."""
+    children: dict[int, list[int]] = {}
+    resident: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            resident[int(entry)] = int(fields[21]) * PAGE_BYTES  # rss, in pages
+    total, pending = 0, [root]
+    while pending:
+        pid = pending.pop()
+        total += resident.get(pid, 0)
+        pending += children.get(pid, [])
+    return total
 
 
 def _descends_from_me(pid: int) -> bool | None:
@@ -255,13 +289,22 @@ class _Output:
     total: int = 0
 
 
-async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
-    """Whether `proc` exited (and was reaped) within `timeout_s`. Not `proc.wait()`: before Python 3.12 it also waits
-    for the process's pipes to close, which a process it left behind holds open."""
+async def _exited(
+    proc: asyncio.subprocess.Process, timeout_s: float, over_memory: Callable[[], bool] | None = None
+) -> bool:
+    """Whether `proc` exited (and was reaped) within `timeout_s`; False too as soon as `over_memory()` says so (asked
+    every MEMORY_POLL_S). Not `proc.wait()`: before Python 3.12 it also waits for the process's pipes to close,
+    which a process it left behind holds open."""
     deadline = time.monotonic() + timeout_s
+    next_look = time.monotonic() + MEMORY_POLL_S
     while proc.returncode is None:
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             return False
+        if over_memory is not None and now >= next_look:
+            if over_memory():
+                return False
+            next_look = now + MEMORY_POLL_S
         await asyncio.sleep(EXIT_POLL_S)
     return True
 
@@ -289,26 +332,37 @@ class Sandbox:
         hidden: list[Path],
         isolation: Isolation | None = None,
         reap_strays: bool = False,
+        shared_uid_concurrency: bool = False,
     ) -> None:
         self.limits = limits
         self.hidden = [str(p.resolve()) for p in hidden]
         self.isolation: Isolation = isolation or detect_isolation()
         self.prefix = _unshare_prefix(self.isolation)
-        self.slots = slots
+        # Without namespaces or a uid per call, calls at once could read and change each other's files, /proc/PID/cwd
+        # included, and signal each other's processes: one at a time, unless asked for by name.
+        self.shares_uid = self.isolation == "none" and os.getuid() != 0
+        self.slots = 1 if self.shares_uid and not shared_uid_concurrency else slots
         self.uids: list[int] = []
         if os.getuid() == 0:
-            self.uids, locks = claim_uids(slots)
+            self.uids, locks = claim_uids(self.slots)
             weakref.finalize(self, _close_all, locks)
         self.python = self._choose_python()
         self.free_slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(slots):
+        for slot in range(self.slots):
             self.free_slots.put_nowait(slot)
         self.reap_strays = reap_strays
         self.live: set[int] = set()  # the calls' own processes
         self.starting = 0  # calls between fork and being added to `live`: a sweep now could take one for a stray
         self.last_end = -math.inf  # time.monotonic() when the last call ended
+        self.over_memory: set[int] = set()  # calls being stopped for their memory
         if self.reap_strays:
             become_subreaper()
+        # What the shared folders held before any call: a call's leftovers are what is new (clear_shared_folders).
+        # Only as a container's PID 1 (the operator's pod, the compose container), whose folders are its own: on a
+        # machine, other programs of the same user write there too.
+        self.shared_before: dict[str, set[str]] = {}
+        if self.isolation == "none" and os.getpid() == 1:
+            self.shared_before = {folder: _entries(folder) for folder in SHARED_FOLDERS}
 
     def _uid(self, slot: int) -> int:
         if self.uids:
@@ -375,8 +429,22 @@ class Sandbox:
             return await self._run(code, scratch, uid)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+            if not self.live and not self.starting:  # nobody's files but the calls' left behind
+                self.clear_shared_folders()
             self.free_slots.put_nowait(slot)
             self.last_end = time.monotonic()
+
+    def clear_shared_folders(self) -> None:
+        """Remove what calls left in the folders every call can write without namespaces (/tmp, /var/tmp,
+        /dev/shm), as a container's PID 1: files there would outlive their call and be read by the next one."""
+        for folder, before in self.shared_before.items():
+            for name in _entries(folder) - before:
+                path = os.path.join(folder, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
 
     def busy(self) -> bool:
         """Whether a call runs, or one ended within GONE_SENDER_WINDOW_S (guard_shutdown_signals)."""
@@ -408,7 +476,8 @@ class Sandbox:
             proc.stdin.close()
             # The call ends when its program does. What the program wrote is then in the pipes, read within a
             # moment; a process it left behind (a daemon, which the sweep ends) may hold a copy of a pipe open.
-            done = await _exited(proc, self.limits.time_limit_s)
+            over_memory = functools.partial(self._over_memory, proc.pid)
+            done = await _exited(proc, self.limits.time_limit_s, over_memory)
             if done:
                 await asyncio.wait(drains, timeout=DRAIN_AFTER_EXIT_S)
         finally:
@@ -422,14 +491,27 @@ class Sandbox:
                 task.cancel()
         stdout, stderr = (bytes(o.kept).decode(errors="replace") for o in outputs)
         returncode = proc.returncode
+        memory_exceeded = proc.pid in self.over_memory
+        self.over_memory.discard(proc.pid)
         return RunResult(
             stdout,
             stderr,
-            returncode if done else None,
-            not done,
+            returncode if done or memory_exceeded else None,
+            not done and not memory_exceeded,
             signal.Signals(-returncode).name if returncode < 0 else None,
             sum(o.total for o in outputs),
+            memory_exceeded,
         )
+
+    def _over_memory(self, pid: int) -> bool:
+        """Whether call `pid`'s processes together hold more than the memory limit (then remembered in
+        `over_memory`). RLIMIT_AS bounds each process only: a call of 8 processes held 8 times the limit. Also
+        kills what left a call's tree meanwhile, whose memory no call's sum would count (isolation none)."""
+        self._sweep()
+        if tree_memory_bytes(pid) <= self.limits.memory_bytes:
+            return False
+        self.over_memory.add(pid)
+        return True
 
     def _sweep(self) -> None:
         if self.reap_strays and not self.starting and (killed := kill_strays(self.live)):

@@ -111,7 +111,8 @@ class Environment:
         self.context = ToolContext(spec, sandbox)
         self.instructions = tool_instructions([cls.schema() for cls in self.tool_classes])
         self.episodes: dict[str, Episode] = {}
-        self.calls = asyncio.Semaphore(spec.max_concurrent_calls)
+        # the sandbox's slots (max_concurrent_calls, or 1: Sandbox.slots): a call's time limit never counts a wait
+        self.calls = asyncio.Semaphore(sandbox.slots)
         self._export_zeros()
 
     def _export_zeros(self) -> None:
@@ -254,6 +255,7 @@ class Environment:
             stderr=stderr,
             exit_code=result.exit_code,
             timed_out=result.timed_out,
+            memory_exceeded=result.memory_exceeded,
             signal=result.signal,
             truncated=(stdout, stderr) != (result.stdout, result.stderr),
         )
@@ -263,6 +265,7 @@ class Environment:
             ready=True,
             isolation=self.sandbox.isolation,
             python=self.sandbox.python,
+            concurrent_calls=self.sandbox.slots,
             tools=[cls.name for cls in self.tool_classes],
             open_episodes=len(self.episodes),
         )
@@ -354,7 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     spec = load_spec(spec_file)
     e = spec.environment
     # In namespaces the sandbox never sees the run folder (an empty folder is mounted over it).
-    sandbox = Sandbox(Limits.from_spec(e), e.max_concurrent_calls, hidden=[spec.resolved_run_dir()], reap_strays=True)
+    sandbox = Sandbox(
+        Limits.from_spec(e),
+        e.max_concurrent_calls,
+        hidden=[spec.resolved_run_dir()],
+        reap_strays=True,
+        shared_uid_concurrency=e.unsafe_concurrent_calls,
+    )
     log.info("sandbox isolation %s, python %s", sandbox.isolation, sandbox.python)
     env = Environment(e, sandbox)
     if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API

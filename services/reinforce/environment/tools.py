@@ -89,16 +89,19 @@ class PythonTool(Tool):
 
     async def step(self, arguments: dict[str, Any]) -> Observation:
         result = await self.context.sandbox.run(_argument(arguments, "code"))
-        return python_observation(result, self.context.spec.time_limit_s)
+        return python_observation(result, self.context.spec)
 
 
-def python_observation(result: RunResult, time_limit_s: float) -> Observation:
-    """stdout, then `[stderr]` and stderr, then `[exit code N]` when nonzero, or `[timeout after T s]`."""
+def python_observation(result: RunResult, limits: EnvironmentSpec) -> Observation:
+    """stdout, then `[stderr]` and stderr, then `[exit code N]` when nonzero, `[timeout after T s]` or `[memory
+    limit of M MB exceeded]`."""
     parts = [result.stdout] if result.stdout else []
     if result.stderr:
         parts.append(f"[stderr]\n{result.stderr}")
     if result.timed_out:
-        parts.append(f"[timeout after {time_limit_s:g} s]")
+        parts.append(f"[timeout after {limits.time_limit_s:g} s]")
+    elif result.memory_exceeded:
+        parts.append(f"[memory limit of {limits.memory_limit_mb} MB exceeded]")
     elif result.exit_code:
         parts.append(f"[exit code {result.exit_code}]")
     text = "\n".join(part.rstrip("\n") for part in parts) or "[no output]"
@@ -107,6 +110,7 @@ def python_observation(result: RunResult, time_limit_s: float) -> Observation:
         tool=PythonTool.name,
         exit_code=result.exit_code,
         timed_out=result.timed_out,
+        memory_exceeded=result.memory_exceeded,
         error=result.timed_out or result.exit_code != 0,
         signal=result.signal,
     )
