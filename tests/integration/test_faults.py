@@ -77,9 +77,9 @@ def kill_holding_prompts(proc, run_dir: Path, generator: str) -> None:
     ids=["torch", "megatron-tp2"],
 )
 def test_killed_trainer_resumes_to_identical_weights(tmp_path, request, training, baseline, exit_code):
-    """kill -9 the trainer (with torchrun: its last rank) with restarts off: the run fails; `reinforce run
-    --resume` finishes it with bit-identical weights (Megatron: from the sharded checkpoint, every rank its own
-    shard)."""
+    """kill -9 the trainer (with torchrun: its last rank) with restarts off: the run stops, naming it, and leaves no
+    process behind; `reinforce run --resume` finishes it with bit-identical weights (Megatron: from the sharded
+    checkpoint, every rank its own shard)."""
     tiny_baseline = request.getfixturevalue(baseline)
     proc = start("run", str(write_spec(tmp_path, training={**SHORT, **training}, restart={"max_restarts": 0})))
     run_dir = tmp_path / "run"
@@ -87,6 +87,7 @@ def test_killed_trainer_resumes_to_identical_weights(tmp_path, request, training
     killed_at = kill_mid_run(proc, run_dir, lambda: max(service_pids(run_dir, "reinforce.trainer")))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and f"component trainer exited with code {exit_code}" in stderr
+    assert service_pids(run_dir) == [], "the supervisor left processes behind"
 
     result = reinforce("run", "--resume", str(run_dir))
     assert result.returncode == 0, f"killed after step {killed_at}: {result.stderr[-3000:]}"

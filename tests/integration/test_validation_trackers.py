@@ -42,14 +42,21 @@ def _spec(tmp_path: Path, trackers: list[str], **training) -> Path:
     )
 
 
-@pytest.mark.slow
-def test_validation_and_trackers_in_a_real_run(tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("wandb")
-    pytest.importorskip("mlflow")
-    result = reinforce("run", str(_spec(tmp_path, ["tensorboard", "wandb", "mlflow"])))
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of _spec with validation and the three trackers, to its end (this module's tests share it: its
+    file's tests run on one worker)."""
+    for module in ("tensorboard", "wandb", "mlflow"):
+        pytest.importorskip(module)
+    folder = tmp_path_factory.mktemp("tracked")
+    result = reinforce("run", str(_spec(folder, ["tensorboard", "wandb", "mlflow"])))
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "run"
+    return folder / "run"
+
+
+@pytest.mark.slow
+def test_validation_and_trackers_in_a_real_run(tracked_run):
+    run_dir = tracked_run
     paths = RunPaths(run_dir)
     rows = read_metrics(paths.metrics)
 
@@ -97,17 +104,15 @@ def test_killed_trainer_continues_its_tracker_runs_without_duplicate_steps(tmp_p
 
 
 @pytest.mark.slow
-def test_validation_with_tensor_parallelism_matches_the_torch_backend(tmp_path):
+def test_validation_with_tensor_parallelism_matches_the_torch_backend(tmp_path, tracked_run):
     """backend megatron, tensor_parallel 2: the main rank's tensor peer takes part in the validator's forward
-    passes. Each evaluation is the torch backend's: the same greedy responses and rewards, and the same KL to the
-    reference (0 for version 0, where the policy is the reference)."""
+    passes. Each evaluation is the torch backend's (tracked_run: its trackers change no value): the same greedy
+    responses and rewards, and the same KL to the reference (0 for version 0, where the policy is the reference)."""
+    result = reinforce("run", str(_spec(tmp_path, [], **MEGATRON_TP2)))
+    assert result.returncode == 0, result.stderr[-3000:]
     evaluations, tables = {}, {}
-    for name, training in (("torch", {}), ("megatron-tp2", MEGATRON_TP2)):
-        folder = tmp_path / name
-        folder.mkdir()
-        result = reinforce("run", str(_spec(folder, [], **training)))
-        assert result.returncode == 0, result.stderr[-3000:]
-        paths = RunPaths(folder / "run")
+    for name, run_dir in (("torch", tracked_run), ("megatron-tp2", tmp_path / "run")):
+        paths = RunPaths(run_dir)
         evaluations[name] = [r for r in read_metrics(paths.metrics) if "val/rewards" in r]
         tables[name] = [
             [json.loads(line)["response"] for line in table.read_text().splitlines()]
