@@ -46,6 +46,8 @@ from reinforce.core.names import (
     CRITIC_TOKEN_ENV,
     ENVIRONMENT_TOKEN_ENV,
     K8S_COMPONENT_LABEL,
+    K8S_INSTANCE_LABEL,
+    K8S_NAME_LABEL,
     OPERATOR_CONFIG_ENV,
     REDIS_URL_ENV,
     WEIGHTS_TOKEN_ENV,
@@ -455,12 +457,20 @@ def test_a_spec_the_schema_accepts_but_the_model_refuses_fails_naming_the_field(
 def test_settings_the_tenancy_does_not_allow_are_refused_naming_them(
     operator_env: OperatorConfig, cluster: Cluster, redis_url: str
 ) -> None:
-    """R3-8: a tenant's run that tolerates every taint, picks a control-plane node and names a Secret that
-    did not consent to be its Redis gets nothing; once it asks for no more than allowed, it gets its children."""
+    """R3-8: a tenant's run that tolerates every taint, picks a control-plane node, names a Secret that did not
+    consent to be its Redis and (R4-8) mounts another run's claim in a pod template gets nothing; once it asks for
+    no more than allowed, it gets its children."""
     cluster.create_redis_secret("someone-elses", redis_url, consent=False)
+    # R4-8: another run's claim, labelled as the operator labels a run's objects
+    cluster.core.create_namespaced_persistent_volume_claim(cluster.namespace, {
+        "metadata": {"name": "other-data", "labels": {K8S_NAME_LABEL: "reinforce", K8S_INSTANCE_LABEL: "other"}},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    loot = {"spec": {"volumes": [{"name": "loot", "persistentVolumeClaim": {"claimName": "other-data"}}]}}
     hostile = {
         "generator": {"tolerations": [{"operator": "Exists"}]},
         "trainer": {"nodeSelector": {"kubernetes.io/hostname": "control-plane-0"}, "image": "attacker/miner:1"},
+        "environment": {"template": loot},
         "externalRedisSecret": "someone-elses",
     }
     with operator(cluster.namespace):
@@ -468,7 +478,9 @@ def test_settings_the_tenancy_does_not_allow_are_refused_naming_them(
         wait_for(lambda: cluster.condition("SpecAccepted").get("reason") == "NotPermitted", 30)
         message = cluster.condition("SpecAccepted")["message"]
         for field in ("spec.kubernetes.generator.tolerations[0]", "spec.kubernetes.trainer.nodeSelector",
-                      "spec.kubernetes.trainer.image", "spec.kubernetes.externalRedisSecret"):  # fmt: skip
+                      "spec.kubernetes.trainer.image", "spec.kubernetes.externalRedisSecret",
+                      "spec.kubernetes.environment.template.spec.volumes[0].persistentVolumeClaim.claimName: "
+                      "'other-data' is run other's claim"):  # fmt: skip
             assert field in message, message
         assert cluster.children() == {}, "nothing of a refused run is created"
         run = cluster.run()

@@ -62,7 +62,7 @@ from reinforce.operator.children import (
     trainer_pods,
 )
 from reinforce.operator.resource import GROUP, PLURAL, VERSION, ReinforceRunSpec, parse_run_resource
-from reinforce.operator.tenancy import redis_secret_refusal, refusals
+from reinforce.operator.tenancy import claim_refusals, redis_secret_refusal, refusals
 
 log = logging.getLogger("reinforce.operator")
 RUNS = (GROUP, VERSION, PLURAL)
@@ -205,15 +205,16 @@ def _decoded(secret: client.V1Secret, key: str) -> str:
     return base64.b64decode(secret.data[key]).decode()
 
 
-def _secret_labels(api: client.ApiClient, namespace: str, name: str) -> dict[str, str] | None:
-    """The Secret's labels; None when there is no such Secret."""
+def _labels(read: Any, namespace: str, name: str) -> dict[str, str] | None:
+    """The labels of the object `read(name, namespace)` returns (a CoreV1Api read_namespaced_*); None when there is
+    no such object."""
     try:
-        secret = client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+        found = read(name, namespace)
     except client.ApiException as err:
         if err.status == 404:
             return None
         raise
-    return secret.metadata.labels or {}
+    return found.metadata.labels or {}
 
 
 def redis_url(api: client.ApiClient, namespace: str, run_name: str, external_secret: str | None) -> str:
@@ -229,10 +230,13 @@ def redis_url(api: client.ApiClient, namespace: str, run_name: str, external_sec
 
 def not_permitted(api: client.ApiClient, run: Run) -> list[str]:
     """The run's settings that the operator's tenancy configuration refuses (empty: none)."""
+    core = client.CoreV1Api(api)
     found = refusals(run)
+    claims = core.read_namespaced_persistent_volume_claim
+    found += claim_refusals(run, lambda name: _labels(claims, run.namespace, name))
     external = run.spec.kubernetes.external_redis_secret
     if external is not None:
-        labels = _secret_labels(api, run.namespace, external)
+        labels = _labels(core.read_namespaced_secret, run.namespace, external)
         found += [refusal] if (refusal := redis_secret_refusal(external, run.namespace, labels)) else []
     return found
 

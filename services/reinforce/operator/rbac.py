@@ -34,7 +34,8 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     # created once; secrets are read back for the Redis URL and the generators' control token (and an external
     # Redis Secret's labels, which must opt in)
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
-    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]},
+    # created once; a claim a pod template names is read for its labels (another run's is refused)
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create"]},
     # status: readiness, restarts and addresses of the run's pods
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     # kopf reports handler failures as events on the run

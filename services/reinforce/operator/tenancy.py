@@ -11,13 +11,13 @@ condition SpecAccepted, reason NotPermitted).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kubernetes.utils import parse_quantity
 from pydantic import Field, field_validator
 
-from reinforce.core.names import COMPONENTS
+from reinforce.core.names import COMPONENTS, K8S_INSTANCE_LABEL, K8S_NAME_LABEL
 from reinforce.core.spec import _Section
 from reinforce.operator.podtemplate import operator_layer_refusals, template_refusals
 from reinforce.operator.resource import EXTERNAL_REDIS_LABEL, GPU_RESOURCE, PodSpec
@@ -106,6 +106,25 @@ def _template_refusals(run: Run) -> list[str]:
         found += template_refusals(base, template, where)
         found += operator_layer_refusals(run.config.pods.get(component, PodSpec()).template, template, where)
         found += _template_tenancy_refusals(template.get("spec", {}), f"{where}.spec", run.config)
+    return found
+
+
+def claim_refusals(run: Run, labels_of: Callable[[str], dict[str, str] | None]) -> list[str]:
+    """Template volumes that mount a run's PersistentVolumeClaim (another run's, or this run's own in a pod the
+    operator does not give it to): its checkpoints, weights and samples are the operator's to mount.
+    `labels_of(claim name)`: the claim's labels, None where there is no such claim."""
+    found = []
+    for component in COMPONENTS:
+        template = getattr(run.spec.kubernetes, component).template or {}
+        for i, volume in enumerate(template.get("spec", {}).get("volumes", [])):
+            name = volume.get("persistentVolumeClaim", {}).get("claimName")
+            labels = labels_of(name) if name else None
+            if labels is not None and labels.get(K8S_NAME_LABEL) == "reinforce":
+                owner = labels.get(K8S_INSTANCE_LABEL, "?")
+                found.append(
+                    f"spec.kubernetes.{component}.template.spec.volumes[{i}].persistentVolumeClaim.claimName: "
+                    f"{name!r} is run {owner}'s claim: the operator mounts a run's claims where the run needs them"
+                )
     return found
 
 
