@@ -13,9 +13,11 @@ import json
 import os
 import secrets
 import shutil
+import site
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -79,9 +81,15 @@ class Server:
     API is a Unix socket (url `unix:/PATH`) and whose process is PID 1 of the container (pid: its host pid)."""
 
     def __init__(
-        self, url: str, pid: int, run_dir: Path, process: subprocess.Popen[bytes] | None = None, container: str = ""
+        self,
+        url: str,
+        pid: int,
+        run_dir: Path,
+        process: subprocess.Popen[bytes] | None = None,
+        container: str = "",
+        user: int | None = None,
     ) -> None:
-        self.url, self.pid, self.run_dir, self.container = url, pid, run_dir, container
+        self.url, self.pid, self.run_dir, self.container, self.user = url, pid, run_dir, container, user
         self._process = process
 
     @property
@@ -108,21 +116,28 @@ class Server:
         return 0.0
 
 
-def start_server(tmp: Path, **environment: object) -> Server:
+def start_server(tmp: Path, user: int | None = None, **environment: object) -> Server:
+    """The service as a local process (as `user`, when given: the test runs as root)."""
     run_dir = tmp / "run"
     run_dir.mkdir()
     (run_dir / "checkpoint.bin").write_text("trainer state")  # what the sandbox must not see
     spec_file = run_dir / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(_spec(run_dir, **environment)))
     port = free_port()
-    tests = str(Path(__file__).parents[1])  # environment_tools.py
-    env = {**os.environ, ENVIRONMENT_TOKEN_ENV: TOKEN, "PARENT_SECRET": SECRET, "PYTHONPATH": tests}
+    paths = [str(Path(__file__).parents[1])]  # environment_tools.py
+    python = sys.executable
+    if user is not None:  # this interpreter may live where only root reads (pyenv under /root): the system's 3.11
+        python, paths = SYSTEM_PYTHON, [*paths, *site.getsitepackages(), str(ROOT / "services")]
+    env = {**os.environ, ENVIRONMENT_TOKEN_ENV: TOKEN, "PARENT_SECRET": SECRET, "PYTHONPATH": os.pathsep.join(paths)}
     log = (tmp / "environment.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "reinforce.environment", "--spec", str(spec_file), "--port", str(port)],
+        [python, "-m", "reinforce.environment", "--spec", str(spec_file), "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        user=user,
+        group=user,
+        extra_groups=[] if user is not None else None,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -131,7 +146,7 @@ def start_server(tmp: Path, **environment: object) -> Server:
             raise RuntimeError(f"environment exited {process.returncode}: {(tmp / 'environment.log').read_text()}")
         try:
             if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return Server(url, process.pid, run_dir, process=process)
+                return Server(url, process.pid, run_dir, process=process, user=user)
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
@@ -145,6 +160,36 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield s
     s.process.terminate()
     s.process.wait(10)
+
+
+UNPRIVILEGED_UID = 100010  # a uid no other process on the machine runs as
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.fixture(scope="module")
+def unprivileged() -> Iterator[Server]:
+    """The local service as a user without privileges, as a developer or a CI job without root runs it: the
+    sandbox's user namespaces (skipped where the kernel allows an unprivileged user none)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to start the service as another user")
+    version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True)
+    if version.stdout.decode().strip() != str(sys.version_info[:2]):
+        pytest.skip(
+            f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}: it cannot load these packages"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix="reinforce-environment-unprivileged-"))
+    tmp.chmod(0o755)  # pytest's own folders are root's alone
+    try:
+        s = start_server(tmp, user=UNPRIVILEGED_UID)
+        try:
+            if s.get("/readyz").json()["isolation"] != "user_namespaces":
+                pytest.skip("this kernel allows an unprivileged user no namespaces")
+            yield s
+        finally:
+            s.process.terminate()
+            s.process.wait(10)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def docker(*args: str) -> str:
@@ -191,10 +236,12 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True, timeout=300)
 
 
-@pytest.fixture(scope="module", params=["process", pytest.param("container", marks=pytest.mark.docker)])
+@pytest.fixture(scope="module", params=["process", "unprivileged", pytest.param("container", marks=pytest.mark.docker)])
 def sandboxed(request: pytest.FixtureRequest) -> Server:
-    """The service the escape attempts run against: the local process (`server`), or its container."""
-    return request.getfixturevalue("server" if request.param == "process" else "container")
+    """The service the escape attempts run against, in each isolation it offers: the local process (`server`: as
+    root, namespaces), the local process as a user without privileges (user namespaces), and its container (none,
+    as in the operator's pod)."""
+    return request.getfixturevalue("server" if request.param == "process" else request.param)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -321,6 +368,8 @@ def test_isolation_is_what_the_kernel_allows(sandboxed: Server) -> None:
     ready = sandboxed.get("/readyz").json()
     if sandboxed.container:
         expected: tuple[str, ...] = ("none",)
+    elif sandboxed.user is not None:
+        expected = ("user_namespaces",)  # the fixture skips where there are none
     else:
         expected = ("namespaces",) if os.getuid() == 0 else ("user_namespaces", "none")
     assert ready["isolation"] in expected, ready

@@ -22,6 +22,7 @@ confinement holds, so it must not run anything it does not need. In order:
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -52,12 +53,16 @@ def _mount(source: bytes | None, target: str, fstype: bytes | None, flags: int, 
 
 
 def _mount_points() -> list[tuple[str, int]]:
-    """(mount point, flags to keep) of every mount, from /proc/self/mountinfo (octal escapes undone)."""
+    """(mount point, flags to keep) of every mount that holds files, from /proc/self/mountinfo (octal escapes
+    undone). Not a namespace file bound somewhere (nsfs: dockerd's /run/docker/netns/*), which holds none, and
+    which a user namespace may not remount."""
     points = []
     with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
         lines = mounts.read().splitlines()
     for line in lines:
         fields = line.split()
+        if line.split(" - ", 1)[1].split()[0] == "nsfs":
+            continue
         point = fields[4].encode().decode("unicode_escape")
         points.append((point, sum(_KEPT_FLAGS.get(option, 0) for option in fields[5].split(","))))
     return points
@@ -66,7 +71,12 @@ def _mount_points() -> list[tuple[str, int]]:
 def _private_mounts(scratch: str, size_bytes: int, hidden: list[str], uid: int) -> None:
     _mount(b"none", "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here reaches the host's namespace
     for point, kept in _mount_points():
-        _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None)
+        try:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None)
+        except PermissionError as err:
+            if err.errno != errno.EACCES:
+                raise
+            # under a folder this (unprivileged) user cannot enter, as root's 0700 /run/...: nor can the code
     tmpfs = MS_NOSUID | MS_NODEV
     _mount(b"tmpfs", scratch, b"tmpfs", tmpfs, f"size={size_bytes},mode=0700,uid={uid},gid={uid}")
     os.chdir(scratch)  # the working directory keeps the scratch tmpfs even where a later mount covers its path
