@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
+import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from reinforce.core import weights as weights_module
 from reinforce.core.http_kit import bearer_dependency
 from reinforce.core.records_pb2 import WeightVersion
+from reinforce.core.weight_http import WeightHandler, WeightHTTPServer
 from reinforce.core.weights import (
     LoadStats,
     WeightError,
@@ -86,6 +90,9 @@ def secured(dirs: tuple[Path, Path]) -> Iterator[WeightServer]:
 @pytest.fixture
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(weights_module, "RETRY_BACKOFF_S", (0.01, 0.01))
+
+
+NAME = "v000001.safetensors"  # version 1's file
 
 
 def publish_served(server: WeightServer, model: torch.nn.Module, version: int, keep: int = 3) -> WeightVersion:
@@ -376,32 +383,71 @@ def _server_threads() -> int:
     return sum(t.name.startswith("Thread-") for t in threading.enumerate())  # socketserver's per-connection threads
 
 
-def test_connections_are_bounded_and_idle_ones_time_out(dirs: tuple[Path, Path]):
-    """Issue #30, R3-12: 40 idle connections hold at most max_connections threads; the ones beyond are answered 503
-    at once; connections that send nothing are closed after idle_timeout_s, and a download then goes through."""
+def _trickle(sock: socket.socket, request: bytes, every_s: float) -> None:
+    """Send `request` a byte at a time, until the server closes the connection."""
+    with contextlib.suppress(OSError):
+        for byte in request:
+            sock.sendall(bytes([byte]))
+            time.sleep(every_s)
+
+
+def test_idle_connections_never_hold_the_threads_a_download_needs(dirs: tuple[Path, Path]):
+    """Issue #30, R3-12, and the red team's R4-15: idle connections held the threads (64 of them answered everyone
+    else 503, and a client reconnecting every 4.9 s kept it so). Here 40 idle connections and one that trickles its
+    request a byte at a time hold none of max_connections 4: a download goes through while they wait, and each is
+    closed idle_timeout_s after it connected, the trickling one too."""
     with WeightServer(dirs[0], host="127.0.0.1", max_connections=4, idle_timeout_s=2.0) as srv:
         published = publish_served(srv, tiny_model(0), version=1)
         before = _server_threads()
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(40)]
+        slow = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        start = time.monotonic()
+        request = f"GET /v1/weights/{NAME} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        threading.Thread(target=_trickle, args=(slow, request, 0.05), name="trickle", daemon=True).start()
         try:
-            answers = [sock.recv(64) for sock in idle[4:]]  # the first four hold the slots and get nothing yet
-            assert all(answer.startswith(b"HTTP/1.1 503 ") for answer in answers), answers
-            assert _server_threads() - before <= 4
-            assert all(sock.recv(64) == b"" for sock in idle[:4])  # closed by the server after the idle timeout
-        finally:
-            for sock in idle:
-                sock.close()
-        target = tiny_model(1)
-        load_verified(module_loader(target), published, sources(srv), cache_dir=dirs[1])
-        assert same_weights(tiny_model(0), target)
-
-
-def test_a_fetch_rides_out_a_busy_endpoint(dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch):
-    """A 503 from a full endpoint is retried: the download succeeds once a slot frees."""
-    monkeypatch.setattr(weights_module, "RETRY_BACKOFF_S", (0.5, 0.5, 0.5, 0.5))
-    with WeightServer(dirs[0], host="127.0.0.1", max_connections=1, idle_timeout_s=0.8) as srv:
-        published = publish_served(srv, tiny_model(0), version=1)
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=10):  # holds the only slot until it times out
+            time.sleep(0.5)
+            assert _server_threads() == before  # waiting connections take no request thread
             target = tiny_model(1)
             load_verified(module_loader(target), published, sources(srv), cache_dir=dirs[1])
+            assert same_weights(tiny_model(0), target)
+            assert all(sock.recv(64) == b"" for sock in [*idle, slow])  # closed, none answered
+            assert 2.0 <= time.monotonic() - start < 4.0
+        finally:
+            for sock in [*idle, slow]:
+                sock.close()
+
+
+def test_beyond_max_idle_the_oldest_waiting_connection_is_closed(tmp_path: Path):
+    server = WeightHTTPServer(("127.0.0.1", 0), WeightHandler, tmp_path, None, idle_timeout_s=30.0, max_idle=8)
+    server.serve_in_thread("test-weights")
+    try:
+        waiting = [socket.create_connection(server.server_address, timeout=5) for _ in range(12)]
+        assert all(sock.recv(64) == b"" for sock in waiting[:4])  # the oldest four, at once
+        for sock in waiting[4:]:
+            sock.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                sock.recv(64)  # still waiting for their request
+        waiting[-1].settimeout(5)
+        waiting[-1].sendall(b"GET /v1/weights/v000001.safetensors HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert waiting[-1].recv(64).startswith(b"HTTP/1.1 404 ")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_fetch_rides_out_a_busy_endpoint(dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog):
+    """A 503 from a full endpoint is retried: the download succeeds once a slot frees. The only slot is a download
+    of a 64 MiB file its client does not read, until it lets go a second later."""
+    monkeypatch.setattr(weights_module, "RETRY_BACKOFF_S", (0.5, 0.5, 0.5, 0.5))
+    caplog.set_level(logging.WARNING, logger="reinforce.core.weight_http")
+    with WeightServer(dirs[0], host="127.0.0.1", max_connections=1) as srv:
+        published = publish_served(srv, tiny_model(0), version=1)
+        (dirs[0] / "v000009.safetensors").write_bytes(bytes(64 << 20))
+        holder = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        holder.sendall(b"GET /v1/weights/v000009.safetensors HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert holder.recv(64).startswith(b"HTTP/1.1 200 ")  # its thread is sending, blocked on the full socket
+        threading.Timer(1.0, holder.close).start()
+        target = tiny_model(1)
+        load_verified(module_loader(target), published, sources(srv), cache_dir=dirs[1])
     assert same_weights(tiny_model(0), target)
+    assert "weight endpoint busy (1 connections): 1 refused so far" in caplog.text

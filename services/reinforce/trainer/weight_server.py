@@ -17,11 +17,12 @@ log = logging.getLogger(__name__)
 class WeightServer:
     """Serves the published `v*.safetensors` files of `weights_dir` at GET /v1/weights/{file}, in a thread.
 
-    core/weight_http.py's server: one thread per connection, at most `max_connections` of them (a connection beyond
-    is answered 503 and closed: the generators' fetch retries it), and the body goes out with sendfile(2), so a 540 MB
-    file is never read into Python memory. `Range: bytes=N-` is served (206): a relayed transfer whose relay failed
-    resumes here at its first unverified byte (generator/relay.py). A connection that sends no request within
-    `idle_timeout_s` is closed, so idle ones cannot hold the slots. With `token`, every request needs
+    core/weight_http.py's server: one thread per request, at most `max_connections` of them (a request beyond is
+    answered 503 and its connection closed: the generators' fetch retries it), and the body goes out with sendfile(2),
+    so a 540 MB file is never read into Python memory. `Range: bytes=N-` is served (206): a relayed transfer whose
+    relay failed resumes here at its first unverified byte (generator/relay.py). A connection waits for its request
+    in one shared thread and is closed if its head is not whole within `idle_timeout_s`, so idle ones cannot hold
+    the request threads. With `token`, every request needs
     `Authorization: Bearer <token>` (401 otherwise), checked before the path so unauthenticated clients learn
     nothing about which versions exist.
     """
