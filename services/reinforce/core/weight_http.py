@@ -111,7 +111,7 @@ class _IdleConnections:
             sock, address, pending = self._added.get()
             waiting = _Waiting(sock, address, time.monotonic() + self.timeout_s, bytearray(pending))
             if _HEAD_END in waiting.head:  # a pipelined request already read
-                self.dispatch(sock, address, bytes(waiting.head))
+                self._hand_over(sock, address, bytes(waiting.head))
                 continue
             sock.setblocking(False)
             self._waiting[sock] = waiting
@@ -132,7 +132,13 @@ class _IdleConnections:
         elif _HEAD_END in waiting.head:
             self._forget(waiting)
             waiting.sock.setblocking(True)
-            self.dispatch(waiting.sock, waiting.address, bytes(waiting.head))
+            self._hand_over(waiting.sock, waiting.address, bytes(waiting.head))
+
+    def _hand_over(self, sock: socket.socket, address: tuple, head: bytes) -> None:
+        try:
+            self.dispatch(sock, address, head)
+        except Exception:  # no thread for it (dispatch closed it): the other connections still wait here
+            log.exception("weight endpoint: cannot serve a request from %s", address)
 
     def _forget(self, waiting: _Waiting) -> None:
         self._selector.unregister(waiting.sock)
