@@ -421,8 +421,8 @@ class EnvironmentSpec(_Section):
         512,
         ge=64,
         description="python: the address space of each of a call's processes (RLIMIT_AS), and the resident memory "
-        "of all of them together, summed every 0.1 s (a call over it is stopped: `memory_exceeded`; between two looks "
-        "it may hold more, which the pod's or container's memory limit bounds).",
+        "of all of them together, summed every MEMORY_POLL_S of environment/sandbox.py (a call over it is stopped: "
+        "`memory_exceeded`; between two looks it may hold more, which the pod's or container's memory limit bounds).",
     )
     file_limit_mb: int = Field(
         16,
