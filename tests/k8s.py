@@ -11,6 +11,7 @@ kubelet: pods stay Pending unless a test patches their status.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import ctypes
@@ -22,6 +23,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -310,13 +312,19 @@ def _http_ok(url: str, token: str | None = None, context: ssl.SSLContext | None 
         return False
 
 
+# An unused control plane waits this long for the next module that uses it before it stops.
+LINGER_S = 30.0
+
+
 class _Shared:
-    """One control plane per session even when several test modules import the fixture: pytest then holds one
-    fixture definition per module, each with its own session-scoped value, so they count their users here."""
+    """One control plane for the modules that use it, one after another (issue 42's plan runs them on one worker,
+    in a row): they count their users here, and the last one out leaves it LINGER_S for the next to come."""
 
     plane: _ControlPlane | None = None
     cluster: KubeCluster | None = None
     users = 0
+    stopping: threading.Timer | None = None
+    lock = threading.Lock()
 
 
 def _start_control_plane() -> tuple[_ControlPlane, KubeCluster]:
@@ -333,23 +341,42 @@ def _start_control_plane() -> tuple[_ControlPlane, KubeCluster]:
     raise AssertionError("unreachable")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kube_apiserver() -> Iterator[KubeCluster]:
-    """A running etcd + kube-apiserver (RBAC, token auth) + kube-controller-manager, shared by the session.
+    """A running etcd + kube-apiserver (RBAC, token auth) + kube-controller-manager, shared by the modules that use
+    it one after another (_Shared).
 
     The first use on a machine builds the Kubernetes binaries (~6-11 minutes on 2 cores; cached afterwards);
-    starting the control plane takes a few seconds. Everything is stopped and deleted at the session's end.
+    starting the control plane takes a few seconds. LINGER_S after the last module using it ends, or at the
+    process's exit, everything is stopped and deleted: idle, its controllers and etcd still use CPU, which the
+    rest of the session would otherwise pay.
     """
-    if _Shared.cluster is None:
-        _Shared.plane, _Shared.cluster = _start_control_plane()
-    _Shared.users += 1
+    with _Shared.lock:
+        if _Shared.stopping is not None:
+            _Shared.stopping.cancel()
+            _Shared.stopping = None
+        if _Shared.cluster is None:
+            _Shared.plane, _Shared.cluster = _start_control_plane()
+            atexit.register(_Shared.plane.stop)  # stopping twice (after the linger's stop) does nothing more
+        _Shared.users += 1
+        cluster = _Shared.cluster
     try:
-        yield _Shared.cluster
+        yield cluster
     finally:
-        _Shared.users -= 1
+        with _Shared.lock:
+            _Shared.users -= 1
+            if _Shared.users == 0:
+                _Shared.stopping = threading.Timer(LINGER_S, _stop_if_unused)
+                _Shared.stopping.daemon = True
+                _Shared.stopping.start()
+
+
+def _stop_if_unused() -> None:
+    with _Shared.lock:
         if _Shared.users == 0 and _Shared.plane is not None:
             _Shared.plane.stop()
             _Shared.plane = _Shared.cluster = None
+        _Shared.stopping = None
 
 
 # ---- ReinforceRuns --------------------------------------------------------------------------------------------
