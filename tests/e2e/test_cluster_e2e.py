@@ -5,7 +5,8 @@ and its own dockerd, all on loopback) with the project's images built into that 
 the chart is installed with Helm, so the operator runs as a pod under the chart's RBAC; runs are applied with
 kubectl. The cluster has no kube-proxy and no DNS, so the chart is installed with the host-network profile
 (docs/kubernetes/single-node.md), and no volume provisioner, so the test makes a hostPath PersistentVolume for each
-claim.
+claim. Last, the cluster itself: a real pod on the node's network, and `down` leaves the machine as it found it
+(tests/e2e/single_node_checks.py).
 
 Marked ``slow`` and ``cluster``: it needs root, and the first build of the cluster and the images takes minutes.
 """
@@ -32,6 +33,7 @@ from runs import (
     assert_each_step_trained_once,
     max_weight_difference,
 )
+from single_node_checks import Machine, assert_down_leaves_the_machine_as_before, exercise_cluster, read_pids
 
 from generate import crd
 from generate.chart_values import CHART
@@ -57,6 +59,7 @@ PORTS = OperatorConfig().ports
 STEPS = 30  # examples/tiny.yaml as it is
 PROMPTS_IN_IMAGE = "/opt/reinforce/examples/data/tiny.txt"  # the image's copy of examples/data
 RUN_TIMEOUT_S = 900
+CLUSTER_PROCESSES = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "dockerd", "kubelet"}
 UP_TIMEOUT_S = 3600  # a cold build of kube-scheduler and kubelet is part of the first `up` on a machine
 IMAGES_TIMEOUT_S = 3600  # and a cold build of the images
 # Issue 25: the trainer and generators of the first run take a toleration, a node affinity and a priority class
@@ -86,6 +89,8 @@ class Cluster:
     api: client.ApiClient
     volumes: Path  # hostPath PersistentVolumes live here
     timings: dict[str, float]
+    before: Machine  # what `down` must give back
+    pids: dict[str, tuple[int, str]]  # the processes `up` started
 
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
@@ -113,10 +118,15 @@ def _timed(timings: dict[str, float], what: str, action: Callable[[], subprocess
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if reason := single_node_skip_reason():
         pytest.skip(reason)
+    # A state folder of its own: a developer's cluster in the default /run/reinforce-k8s is never touched (and the
+    # skip above already saw that no other cluster runs).
     state = Path("/run") / f"reinforce-k8s-e2e-{secrets.token_hex(4)}"
     timings: dict[str, float] = {}
+    before = Machine.read()
     try:
         _timed(timings, "cluster up", lambda: single_node("up", state, UP_TIMEOUT_S))
+        pids = read_pids(state)
+        assert set(pids) == CLUSTER_PROCESSES, pids
         env = {**os.environ, "DOCKER_HOST": f"unix://{state}/docker.sock"}
         _timed(
             timings,
@@ -129,10 +139,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         api_server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
         api = config.new_client_from_config(config_file=str(kubeconfig))
         volumes = tmp_path_factory.mktemp("volumes")
-        yield Cluster(state, kubeconfig, api_server, api, volumes, timings)
+        yield Cluster(state, kubeconfig, api_server, api, volumes, timings, before, pids)
         api.close()
     finally:
-        single_node("down", state, 300)
+        single_node("down", state, 300)  # also after a failed `up`: down must clean up whatever it started
         print("timings: " + ", ".join(f"{what} {seconds:.1f} s" for what, seconds in timings.items()))
 
 
@@ -469,3 +479,12 @@ def test_a_tools_run_trains_in_pods_beside_its_locked_down_environment(chart_ins
     assert final["publishedWeightVersion"] == steps
     assert_each_step_trained_once(folders["tools-data"] / "run", steps)
     delete_run_and_its_children(cluster, "tools")
+
+
+def test_a_pod_runs_and_down_leaves_the_machine_as_before(cluster: Cluster, tmp_path: Path) -> None:
+    """tests/e2e/k8s-single-node.sh itself, last, on the cluster the runs above used: a real pod reaches the API
+    server over the node's network, and `down` (with a pod left running: its container, cgroups and volume mounts)
+    leaves the machine as it was before `up`, the runs' pods, volumes and chart included."""
+    exercise_cluster(cluster.state, tmp_path)
+    cluster.api.close()
+    assert_down_leaves_the_machine_as_before(cluster.state, cluster.before, cluster.pids)

@@ -1,10 +1,6 @@
-"""tests/e2e/k8s-single-node.sh: a whole single-node cluster comes up, runs a real pod, and `down` leaves the machine
-as it found it.
-
-Marked ``slow`` and ``cluster``: it needs root (cgroups, mounts, sysctls), builds kube-scheduler and kubelet the first
-time on a machine (minutes; cached in ~/.cache/reinforce-k8s afterwards) and may install Debian's docker.io. It skips,
-saying why, on a machine that cannot run it. Select or drop it with ``-m cluster`` / ``-m "not cluster"``.
-"""
+"""What tests/e2e/k8s-single-node.sh must do besides running the pipeline's pods (tests/e2e/test_cluster_e2e.py
+checks it on the cluster that test module brings up, once its runs are done): a real pod runs with host networking,
+and `down` leaves the machine as it found it."""
 
 from __future__ import annotations
 
@@ -17,11 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-from k8s import cgroup_hierarchies, single_node, single_node_skip_reason
+from k8s import cgroup_hierarchies, single_node
 from kubernetes import client, config
 
-UP_TIMEOUT_S = 3600  # a cold build of kube-scheduler and kubelet on 2 cores is part of the first `up`
 DOWN_TIMEOUT_S = 300
 # What the script records and restores (kept in step with SYSCTLS, FIXED_PATHS and SHARED_DIRS there).
 SYSCTLS = [
@@ -68,9 +62,6 @@ int main(int argc, char **argv) {
 HELLO_IMAGE = "reinforce-test/hello:1"
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
-
 @dataclass
 class Machine:
     """What `down` must give back, read before `up`."""
@@ -90,7 +81,7 @@ class Machine:
         return cls(sysctls, kubelet_paths, {d for d in SHARED_DIRS if os.path.lexists(d)})
 
 
-def _wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object:
+def wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if result := check():
@@ -99,7 +90,7 @@ def _wait_for(check: Callable[[], object], timeout_s: float, what: str) -> objec
     raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat; None once the process is gone (or a zombie)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -109,7 +100,7 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
-def _processes_naming(folder: Path) -> list[str]:
+def processes_naming(folder: Path) -> list[str]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -121,12 +112,12 @@ def _processes_naming(folder: Path) -> list[str]:
     return found
 
 
-def _mounts_under(*folders: Path) -> list[str]:
+def mounts_under(*folders: Path) -> list[str]:
     targets = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     return [t for t in targets for f in folders if t == str(f) or t.startswith(f"{f}/")]
 
 
-def _hello_image(state: Path, workdir: Path) -> None:
+def hello_image(state: Path, workdir: Path) -> None:
     """A one-file image: a static C program, `docker import`ed into the cluster's own dockerd."""
     source = workdir / "hello.c"
     source.write_text(HELLO_C)
@@ -143,7 +134,7 @@ def _hello_image(state: Path, workdir: Path) -> None:
         )
 
 
-def _exercise_cluster(state: Path, workdir: Path) -> None:
+def exercise_cluster(state: Path, workdir: Path) -> None:
     status = single_node("status", state, 60)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "node: 127.0.0.1 Ready" in status.stdout
@@ -156,7 +147,7 @@ def _exercise_cluster(state: Path, workdir: Path) -> None:
     assert {(a.type, a.address) for a in node.status.addresses} >= {("InternalIP", "127.0.0.1")}
     api_port = api.configuration.host.rsplit(":", 1)[1]
 
-    _hello_image(state, workdir)
+    hello_image(state, workdir)
     name = f"hello-{secrets.token_hex(3)}"
     pod = {
         "apiVersion": "v1",
@@ -176,7 +167,7 @@ def _exercise_cluster(state: Path, workdir: Path) -> None:
         phase = core.read_namespaced_pod(name, "default").status.phase
         return phase if phase in ("Succeeded", "Failed") else None
 
-    phase = _wait_for(finished, 120, f"pod {name} finished")
+    phase = wait_for(finished, 120, f"pod {name} finished")
     # The log goes API server -> kubelet (InternalIP 127.0.0.1, both sides' certificates checked) -> dockershim.
     log = core.read_namespaced_pod_log(name, "default")
     assert phase == "Succeeded", log
@@ -203,51 +194,36 @@ def _exercise_cluster(state: Path, workdir: Path) -> None:
         },
     }
     core.create_namespaced_pod("default", running)
-    _wait_for(lambda: core.read_namespaced_pod("left-running", "default").status.phase == "Running", 120, "running")
+    wait_for(lambda: core.read_namespaced_pod("left-running", "default").status.phase == "Running", 120, "running")
     uid = core.read_namespaced_pod("left-running", "default").metadata.uid
-    assert [m for m in _mounts_under(state) if uid in m and m.endswith("/scratch")]
+    assert [m for m in mounts_under(state) if uid in m and m.endswith("/scratch")]
     api.close()
 
 
-def test_up_runs_pods_and_down_leaves_the_machine_as_before(tmp_path: Path) -> None:
-    # Checked here, not at collection: the cgroup probe writes, and a deselected test must not.
-    if reason := single_node_skip_reason():
-        pytest.skip(reason)
-    before = Machine.read()
-    # A state folder of its own: a developer's cluster in the default /run/reinforce-k8s is never touched (and the
-    # skip above already saw that no other cluster runs).
-    state = Path("/run") / f"reinforce-k8s-test-{secrets.token_hex(4)}"
-    recorded_pids: dict[str, tuple[int, str]] = {}
-    try:
-        up = single_node("up", state, UP_TIMEOUT_S)
-        for pid_file in (state / "pids").glob("*"):
-            pid, start = pid_file.read_text().split()
-            recorded_pids[pid_file.name] = (int(pid), start)
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert set(recorded_pids) == {
-            "etcd",
-            "kube-apiserver",
-            "kube-controller-manager",
-            "kube-scheduler",
-            "dockerd",
-            "kubelet",
-        }
-        _exercise_cluster(state, tmp_path)
-    finally:
-        # Also after a failed `up`: down must clean up whatever it started.
-        down = single_node("down", state, DOWN_TIMEOUT_S)
+def read_pids(state: Path) -> dict[str, tuple[int, str]]:
+    """The processes `up` recorded: name -> (pid, start time)."""
+    pids = {}
+    for pid_file in (state / "pids").glob("*"):
+        pid, start = pid_file.read_text().split()
+        pids[pid_file.name] = (int(pid), start)
+    return pids
 
+
+def assert_down_leaves_the_machine_as_before(state: Path, before: Machine, pids: dict[str, tuple[int, str]]) -> None:
+    """`down`, then: no process it recorded, nothing naming its folder, the sysctls, kubelet paths, shared folders,
+    cgroups and mounts as before `up`; and a second `down` succeeds (it is idempotent)."""
+    down = single_node("down", state, DOWN_TIMEOUT_S)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not state.exists()
-    still_running = [name for name, (pid, start) in recorded_pids.items() if _start_time(pid) == start]
+    still_running = [name for name, (pid, start) in pids.items() if start_time(pid) == start]
     assert not still_running, f"processes `down` left running: {still_running}"
-    assert not _processes_naming(state)
+    assert not processes_naming(state)
     after = Machine.read()
     assert after.sysctls == before.sysctls
     assert after.kubelet_paths == before.kubelet_paths
     appeared = after.shared_dirs - before.shared_dirs
     assert not [d for d in appeared if not any(Path(d).iterdir())], f"empty folders left behind: {appeared}"
     assert not [h for h in cgroup_hierarchies() if (h / "kubepods").exists()]
-    assert not _mounts_under(state, Path("/var/lib/kubelet"))
-    down_again = single_node("down", state, DOWN_TIMEOUT_S)  # idempotent
+    assert not mounts_under(state, Path("/var/lib/kubelet"))
+    down_again = single_node("down", state, DOWN_TIMEOUT_S)
     assert down_again.returncode == 0, down_again.stderr
