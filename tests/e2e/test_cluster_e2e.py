@@ -1,7 +1,8 @@
 """The pipeline trains when Kubernetes runs it: `helm install`, `kubectl apply` a ReinforceRun, watch it in pods.
 
 On a real single-node cluster (tests/e2e/k8s-single-node.sh: etcd, API server, controller-manager, scheduler, kubelet
-and its own dockerd, all on loopback) with the project's images built into that dockerd (scripts/build-images.sh):
+and its own dockerd, all on loopback) with the project's images (scripts/build-images.sh, built in the machine's
+dockerd, where docker-compose's tests use them too, and copied into the cluster's):
 the chart is installed with Helm, so the operator runs as a pod under the chart's RBAC; runs are applied with
 kubectl. The cluster has no kube-proxy and no DNS, so the chart is installed with the host-network profile
 (docs/kubernetes/single-node.md), and no volume provisioner, so the test makes a hostPath PersistentVolume for each
@@ -14,8 +15,8 @@ Marked ``slow`` and ``cluster``: it needs root, and the first build of the clust
 from __future__ import annotations
 
 import json
-import os
 import secrets
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from reinforce.operator.resource import KubernetesSpec, ReinforceRunSpec
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 BUILD_IMAGES = REPO / "scripts" / "build-images.sh"
+DOCKER = shutil.which("docker") or "/usr/bin/docker"  # the machine's dockerd by default
 RUNS = "runs"  # the namespace of the test's ReinforceRuns
 RELEASE, OPERATOR_NAMESPACE = "reinforce", "reinforce-system"
 HEALTH_PORT = 8090  # the operator's liveness port on the node's network: not a run's port
@@ -114,6 +116,26 @@ def _timed(timings: dict[str, float], what: str, action: Callable[[], subprocess
     assert result.returncode == 0, f"{what} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 
+def build_images(logs: Path) -> subprocess.CompletedProcess[str]:
+    """scripts/build-images.sh in the machine's dockerd (starting one if none answers). Its output goes to files: a
+    daemon it leaves running must not hold a pipe of ours open."""
+    with (logs / "build.log").open("w") as log:
+        result = subprocess.run(["bash", str(BUILD_IMAGES)], stdout=log, stderr=log, timeout=IMAGES_TIMEOUT_S)
+    return subprocess.CompletedProcess(result.args, result.returncode, "", (logs / "build.log").read_text())
+
+
+def copy_images(state: Path) -> subprocess.CompletedProcess[str]:
+    """Every reinforce-* image of the machine's dockerd into the cluster's (`docker save | docker load`: the layers
+    they share travel once)."""
+    listed = subprocess.run(
+        [DOCKER, "image", "ls", "--filter", "reference=reinforce-*", "--format", "{{.Repository}}:{{.Tag}}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    images = " ".join(sorted(set(listed.stdout.split())))
+    pipe = f"set -o pipefail; {DOCKER} save {images} | {DOCKER} -H unix://{state}/docker.sock load"
+    return subprocess.run(["bash", "-c", pipe], capture_output=True, text=True, timeout=IMAGES_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if reason := single_node_skip_reason():
@@ -122,19 +144,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # skip above already saw that no other cluster runs).
     state = Path("/run") / f"reinforce-k8s-e2e-{secrets.token_hex(4)}"
     timings: dict[str, float] = {}
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    # The images are built once per run, in the machine's dockerd, where docker-compose's tests find them built,
+    # then copied into the cluster's. First, so that a dockerd the build starts is part of the machine `up` found.
+    _timed(timings, "images", lambda: build_images(logs))
     before = Machine.read()
     try:
         _timed(timings, "cluster up", lambda: single_node("up", state, UP_TIMEOUT_S))
         pids = read_pids(state)
         assert set(pids) == CLUSTER_PROCESSES, pids
-        env = {**os.environ, "DOCKER_HOST": f"unix://{state}/docker.sock"}
-        _timed(
-            timings,
-            "images",
-            lambda: subprocess.run(
-                ["bash", str(BUILD_IMAGES)], env=env, capture_output=True, text=True, timeout=IMAGES_TIMEOUT_S
-            ),
-        )
+        _timed(timings, "images copied", lambda: copy_images(state))
         kubeconfig = state / "admin.kubeconfig"
         api_server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
         api = config.new_client_from_config(config_file=str(kubeconfig))
