@@ -16,6 +16,7 @@ import yaml
 
 from generate.chart_values import ChartValues
 from generate.dashboards import ALERTS, DASHBOARDS
+from generate.escapes import escapes_markdown
 from reinforce.cli import build_parser
 from reinforce.core.metrics import STEP_METRICS, prometheus_name
 from reinforce.core.spec import RunSpec, markdown_table, reference_markdown, reference_rows
@@ -151,6 +152,7 @@ GENERATED: dict[str, tuple[str, Callable[[], str]]] = {
     "dashboards": ("reference/metrics.md", dashboards_markdown),
     "alerts": ("reference/metrics.md", alerts_markdown),
     "estimators": ("algorithms.md", estimators_markdown),
+    "escapes": ("environments.md", escapes_markdown),
 }
 
 

@@ -31,6 +31,7 @@ import pytest
 import yaml
 from conftest import free_port
 
+from generate.escapes import MODES, PROBES
 from reinforce.core import launch
 from reinforce.core.environment_api import EPISODES_PATH
 from reinforce.core.environment_client import (
@@ -53,6 +54,7 @@ TIME_LIMIT_S = 3.0
 OUTPUT_LIMIT = 500
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_PROJECT = "reinforce-environment-test"
+ESCAPE_PREFIX = "test_escape_"  # an escape probe: generate/escapes.py's PROBES name it without the prefix
 
 
 def _spec(run_dir: Path, **environment: object) -> dict:
@@ -236,12 +238,29 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True, timeout=300)
 
 
-@pytest.fixture(scope="module", params=["process", "unprivileged", pytest.param("container", marks=pytest.mark.docker)])
+@pytest.fixture(
+    scope="module", params=[pytest.param(m, marks=pytest.mark.docker) if m == "container" else m for m in MODES]
+)
 def sandboxed(request: pytest.FixtureRequest) -> Server:
     """The service the escape attempts run against, in each isolation it offers: the local process (`server`: as
     root, namespaces), the local process as a user without privileges (user namespaces), and its container (none,
     as in the operator's pod)."""
     return request.getfixturevalue("server" if request.param == "process" else request.param)
+
+
+@pytest.fixture(autouse=True)
+def _probe_applies(request: pytest.FixtureRequest) -> None:
+    """An escape probe skips in the modes where generate/escapes.py's table says it has nothing to try, and only
+    there (the table in docs/environments.md is that one's)."""
+    name = request.node.originalname
+    if name.startswith(ESCAPE_PREFIX) and (why := PROBES[name.removeprefix(ESCAPE_PREFIX)].not_in.get(
+        request.node.callspec.params["sandboxed"]
+    )):  # fmt: skip
+        pytest.skip(why)
+
+
+def test_the_escape_table_names_every_probe() -> None:
+    assert {name.removeprefix(ESCAPE_PREFIX) for name in globals() if name.startswith(ESCAPE_PREFIX)} == set(PROBES)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -428,6 +447,45 @@ def test_escape_write_outside_scratch(sandboxed: Server, tmp_path: Path) -> None
         assert not Path("/tmp/escaped-by-sandbox").exists(), tmp_write  # its /tmp is a tmpfs of its own
 
 
+# Links from the scratch folder to each target, then a read and an append through each.
+SYMLINKS = (
+    "import os\nfor i, target in enumerate({targets!r}):\n    os.symlink(target, f'link-{{i}}')\n"
+    "    for how, mode in (('read', 'r'), ('write', 'a')):\n        try:\n"
+    "            with open(f'link-{{i}}', mode) as f:\n"
+    "                f.read() if mode == 'r' else f.write('escaped')\n"
+    "            print('did', how, target)\n        except OSError as err:\n"
+    "            print('refused', how, target, err.strerror)"
+)
+
+
+def test_escape_symlinks(sandboxed: Server, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"  # locally: a file of the test's; in the container: its shadow file
+    secret.write_text(SECRET)
+    targets = ["/etc/shadow"] if sandboxed.container else [str(secret)]
+    out = python(sandboxed, SYMLINKS.format(targets=targets))
+    lines = out["text"].splitlines()
+    assert out["exit_code"] == 0 and len(lines) == 2 * len(targets), out
+    assert all(line.startswith("refused ") for line in lines), out
+    assert secret.read_text() == SECRET
+
+
+# Files of 4 MiB (under RLIMIT_FSIZE) until a write is refused; then how many MiB were written.
+DISK_BOMB = (
+    "written = 0\ntry:\n    for i in range(1000):\n        with open(f'fill-{i}', 'wb') as f:\n"
+    "            f.write(b'x' * (4 << 20))\n        written += 4\nexcept OSError as err:\n    print('refused', written)"
+)
+
+
+def test_escape_disk_bomb(sandboxed: Server) -> None:
+    """The scratch folder is a tmpfs of file_limit_mb (16 MB here) in namespaces; in the container, /tmp is one of
+    64 MB (docker-compose.yml; the operator's pod: an emptyDir with a size limit) that the calls take in turn."""
+    out = python(sandboxed, DISK_BOMB)
+    refused, written = out["text"].split()
+    limit_mb = 64 if sandboxed.container else EnvironmentSpec().file_limit_mb
+    assert out["exit_code"] == 0 and refused == "refused" and int(written) <= limit_mb, out
+    assert python(sandboxed, "import os\nprint(os.listdir('.'))")["text"].strip() == "[]"  # the next call's own
+
+
 def test_the_working_folder_is_there_by_its_absolute_path(sandboxed: Server) -> None:
     """The red team's R4-9: in namespaces a fresh /tmp covered the scratch folder's path, so a file named through
     os.getcwd() could not be written, and a size check through absolute paths tested nothing. The same folder, with
@@ -467,8 +525,6 @@ def test_escape_replace_the_api_socket(sandboxed: Server) -> None:
     """In its container the service is reached through a Unix socket, and the tools' code runs as the service's uid:
     the service binds the socket as root in root's folder, then runs as user 100000 with no capability left (--run-as),
     so that code cannot remove the socket or put a listener of its own in its place."""
-    if not sandboxed.container:
-        pytest.skip("the local service listens on TCP")
     command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["environment"]["command"]
     path = command[command.index("--uds") + 1]
     code = (
@@ -709,8 +765,6 @@ def test_escape_a_process_left_behind(sandboxed: Server) -> None:
         left = [p.info for p in psutil.process_iter(["pid", "uids"]) if p.info["uids"].real in uids]
         assert left == [], left
         return
-    if isolation == "user_namespaces":
-        pytest.skip("its pid is its namespace's and its uid the service's: nothing to look for it by")
     state = python(sandboxed, PROCESS_STATE.format(pid=int(out["text"])))  # no pid namespace: the next call looks
     assert state["text"] in ("False", "Z"), state
 

@@ -11,6 +11,7 @@ import pytest
 from reinforce.core.environment_api import Observation, holds_tool_call
 from reinforce.core.spec import EnvironmentSpec, SpecError, parse_spec
 from reinforce.environment.sandbox import RunResult
+from reinforce.environment.server import unconfined_refusal
 from reinforce.environment.tools import (
     CALCULATE_TIMEOUT_S,
     MAX_INT_BITS,
@@ -173,3 +174,19 @@ def test_the_docs_state_the_calculators_bounds_as_the_code_has_them() -> None:
     assert f"integers over {MAX_INT_BITS} bits" in docs
     assert f"`round`'s digits past {MAX_ROUND_DIGITS}" in docs
     assert f"gives up after {CALCULATE_TIMEOUT_S:g} s" in docs
+
+
+@pytest.mark.parametrize(
+    ("isolation", "pid_1", "unsafe", "refused"),
+    [
+        ("none", False, False, True),  # a local service without namespaces: nothing confines its calls
+        ("none", True, False, False),  # a container's or pod's PID 1: the container confines them
+        ("none", False, True, False),  # the spec names the risk
+        ("namespaces", False, False, False),
+        ("user_namespaces", False, False, False),
+    ],
+)
+def test_an_unconfined_service_refuses_to_start_unless_the_spec_says_so(isolation, pid_1, unsafe, refused):
+    refusal = unconfined_refusal(isolation, pid_1, EnvironmentSpec(unsafe_unconfined_calls=unsafe))
+    assert (refusal is not None) == refused
+    assert refusal is None or "environment.unsafe_unconfined_calls" in refusal

@@ -452,6 +452,12 @@ class EnvironmentSpec(_Section):
         "service's uid, so that each can read and change the others' files and signal their processes. Off, they run "
         "one at a time and what one left in /tmp, /var/tmp or /dev/shm is removed before the next.",
     )
+    unsafe_unconfined_calls: bool = Field(
+        False,
+        description="Run tool calls under isolation none outside a container or pod (the service is not PID 1), "
+        "where nothing but rlimits confines them: the code can open network connections and read and write what "
+        "the service's user can. Off, such a service refuses to start, naming this field.",
+    )
     max_episodes: int = Field(
         256, ge=1, description="Open episodes; starting one more is refused (429) until one ends or expires."
     )

@@ -61,7 +61,7 @@ from reinforce.core.names import (
     INVALID_TOOL,
 )
 from reinforce.core.spec import EnvironmentSpec, load_spec
-from reinforce.environment.sandbox import Limits, Sandbox, guard_shutdown_signals, make_undumpable
+from reinforce.environment.sandbox import Isolation, Limits, Sandbox, guard_shutdown_signals, make_undumpable
 from reinforce.environment.tools import (
     Tool,
     ToolContext,
@@ -75,6 +75,20 @@ log = logging.getLogger("reinforce.environment")
 # stops waiting for any tool.
 TIME_LIMIT_GRACE_S = 1.0
 TRUNCATED = "\n[output truncated]"
+
+
+def unconfined_refusal(isolation: Isolation, pid_1: bool, spec: EnvironmentSpec) -> str | None:
+    """Why the service must not start: isolation none contains neither the network nor the files (the escape
+    suite's table, docs/environments.md), so only a container or pod (where the service is PID 1) may run it so,
+    unless the spec names the risk."""
+    if isolation != "none" or pid_1 or spec.unsafe_unconfined_calls:
+        return None
+    return (
+        "the sandbox's isolation is none (no namespaces for this user on this kernel) and no container confines this "
+        "service (it is not PID 1): a tool call could open network connections and read and write what this user "
+        "can. Run it as root, where unprivileged user namespaces are allowed, or in its container; "
+        "environment.unsafe_unconfined_calls: true runs it so anyway"
+    )
 
 
 class NoEpisode(LookupError):
@@ -365,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         shared_uid_concurrency=e.unsafe_concurrent_calls,
     )
     log.info("sandbox isolation %s, python %s", sandbox.isolation, sandbox.python)
+    if refusal := unconfined_refusal(sandbox.isolation, os.getpid() == 1, e):
+        raise SystemExit(refusal)
     env = Environment(e, sandbox)
     if args.metrics_port:  # in a pod: what Prometheus may reach, apart from the API
         start_http_server(args.metrics_port, addr=args.host, registry=env.metrics.registry)
