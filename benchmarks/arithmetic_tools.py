@@ -46,7 +46,7 @@ def episode_runner(folder: Path, spec: RunSpec, url: str) -> EpisodeRunner:
     engine = build_engine(spec.generation, folder, num_samples=1)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(folder, AutoConfig.from_pretrained(folder, local_files_only=True), tokenizer)
-    return EpisodeRunner(engine, ObservationFormat(tokenizer, spec.data.chat_template, eos), url, TOKEN)
+    return EpisodeRunner(engine, ObservationFormat(tokenizer, spec.data.chat_template, eos), url, TOKEN, "benchmark")
 
 
 def score(runner: EpisodeRunner, prompts: list[str], groups: list[list[Episode]]) -> dict[str, float]:

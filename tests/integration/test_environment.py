@@ -33,7 +33,7 @@ from conftest import free_port
 
 from generate.escapes import MODES, PROBES
 from reinforce.core import launch
-from reinforce.core.environment_api import EPISODES_PATH
+from reinforce.core.environment_api import CALLER_HEADER, EPISODES_PATH
 from reinforce.core.environment_client import (
     UNIX_BASE_URL,
     EnvironmentClient,
@@ -66,6 +66,7 @@ def _spec(run_dir: Path, **environment: object) -> dict:
         "output_limit_chars": OUTPUT_LIMIT,
         "memory_limit_mb": 256,
         "max_episodes": 8,
+        "max_episodes_per_caller": 4,
         **environment,
     }
     return {
@@ -73,7 +74,7 @@ def _spec(run_dir: Path, **environment: object) -> dict:
         "run_dir": str(run_dir),
         "policy": {"random_init": {}},
         "data": {"prompts": "p.txt"},
-        "generation": {"batch_prompts": 2},  # 2 prompts x 4 samples: the generators' episodes fit max_episodes
+        "generation": {"batch_prompts": 1},  # 1 prompt x 4 samples: a generator's episodes fit max_episodes_per_caller
         "environment": env,
     }
 
@@ -99,8 +100,8 @@ class Server:
         assert self._process is not None, "the service runs in a container"
         return self._process
 
-    def client(self) -> EnvironmentClient:
-        return EnvironmentClient(self.url, TOKEN)
+    def client(self, caller: str = "") -> EnvironmentClient:
+        return EnvironmentClient(self.url, TOKEN, caller=caller)
 
     def get(self, path: str) -> httpx.Response:
         socket_path = unix_socket(self.url)
@@ -346,15 +347,40 @@ def test_api_needs_the_token_and_bounds_episodes(server: Server) -> None:
     assert httpx.get(server.url + "/healthz").status_code == 200
 
     async def fill() -> None:
-        async with server.client() as env:
-            ids = [(await env.reset("p")).episode_id for _ in range(8)]
-            with pytest.raises(EnvironmentServiceError) as full:
-                await env.reset("one too many")
-            assert full.value.status == 429
-            for episode_id in ids:
+        async with server.client("generator-0") as first, server.client("generator-1") as second:
+            ids = [(env, (await env.reset("p")).episode_id) for env in (first, second) for _ in range(4)]
+            for env in (first, second, server.client("generator-2")):
+                with pytest.raises(EnvironmentServiceError, match=r"environment\.max_episodes\b") as full:
+                    await env.reset("one too many")
+                assert full.value.status == 429
+            for env, episode_id in ids:
                 await env.delete(episode_id)
 
     run(fill())
+
+
+def test_episodes_belong_to_their_caller_each_with_a_bound(server: Server) -> None:
+    """The red team's R4-14: any holder of the token could step and delete every episode, and one could open all of
+    them. Another caller's episode is as absent as none (404), and a caller holds max_episodes_per_caller (4 here)."""
+
+    async def other_callers() -> None:
+        async with server.client("generator-0") as owner, server.client("generator-1") as other:
+            mine = [(await owner.reset("What is 6 * 7?")).episode_id for _ in range(4)]
+            with pytest.raises(EnvironmentServiceError, match="max_episodes_per_caller") as full:
+                await owner.reset("a fifth")
+            assert full.value.status == 429
+            for attempt in (other.state(mine[0]), other.step(mine[0], "6 * 7 = 42"), other.delete(mine[0])):
+                with pytest.raises(EnvironmentServiceError) as refused:
+                    await attempt
+                assert refused.value.status == 404
+            theirs = (await other.reset("p")).episode_id  # the other caller's own bound is untouched
+            assert (await owner.state(mine[0])).turn == 0  # and the owner's episode is as it was
+            for env, episode_id in [*((owner, m) for m in mine), (other, theirs)]:
+                await env.delete(episode_id)
+        caller = {"Authorization": f"Bearer {TOKEN}", CALLER_HEADER: "not a caller id/"}
+        assert httpx.post(server.url + EPISODES_PATH, json={"prompt": "p"}, headers=caller).status_code == 422
+
+    run(other_callers())
 
 
 def test_metrics_count_episodes_calls_errors_and_timeouts(server: Server) -> None:

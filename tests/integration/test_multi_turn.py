@@ -94,7 +94,7 @@ def run_episodes(
     engine = engine or TorchEngine(policy, GenerationSpec(max_new_tokens=max_new_tokens), num_samples=k)
     tokenizer = load_tokenizer(policy)
     observations = ObservationFormat(tokenizer, chat_template=False, eos_ids={tokenizer.eos_token_id})
-    runner = EpisodeRunner(engine, observations, url, TOKEN)
+    runner = EpisodeRunner(engine, observations, url, TOKEN, caller="generator-0")
     [episodes] = runner.run([(tokenizer.encode(prompt), prompt, 11)], k=k, temperature=0)
     return episodes
 

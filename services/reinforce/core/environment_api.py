@@ -37,6 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from reinforce.core.spec import DataSpec, RunSpec
 
 EPISODES_PATH = "/v1/episodes"
+# Who opens an episode (a generator's id): only that caller may step, read or delete it, and each caller has
+# environment.max_episodes_per_caller open at most. Claimed, not proven: every caller holds the same token.
+CALLER_HEADER = "X-Reinforce-Caller"
+CALLER_PATTERN = r"^[A-Za-z0-9._-]{0,64}$"
 RUN_PATH = "/v1/run"
 # A tool call's closing tag: generators stop an assistant turn there and send it (tools.py parses the call).
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel
 
 from reinforce.core.environment_api import (
+    CALLER_HEADER,
     EPISODES_PATH,
     RUN_PATH,
     EpisodeState,
@@ -53,9 +54,10 @@ class EpisodeLost(EnvironmentServiceError):
 
 
 class EnvironmentClient:
-    def __init__(self, base_url: str, token: str, timeout_s: float = 120.0) -> None:
-        """timeout_s bounds one request; a step waits for a free call slot, then for the tool's time limit."""
-        headers = {"Authorization": f"Bearer {token}"}
+    def __init__(self, base_url: str, token: str, timeout_s: float = 120.0, caller: str = "") -> None:
+        """timeout_s bounds one request; a step waits for a free call slot, then for the tool's time limit. caller:
+        whose episodes these are (a generator's id; environment_api.CALLER_HEADER)."""
+        headers = {"Authorization": f"Bearer {token}", CALLER_HEADER: caller}
         socket_path = unix_socket(base_url)
         if socket_path is None:
             self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)

@@ -461,6 +461,13 @@ class EnvironmentSpec(_Section):
     max_episodes: int = Field(
         256, ge=1, description="Open episodes; starting one more is refused (429) until one ends or expires."
     )
+    max_episodes_per_caller: int = Field(
+        64,
+        ge=1,
+        description="Open episodes of one caller (a generator); starting one more is refused (429), so that one "
+        "caller cannot take every episode. A generator opens generation.batch_prompts x "
+        "algorithm.num_rollouts_per_prompt at once.",
+    )
     episode_idle_s: float = Field(
         600.0, gt=0, description="An episode without a step for this long is ended (its generator is gone)."
     )
@@ -906,6 +913,13 @@ class RunSpec(_Section):
                     f"environment.max_episodes ({self.environment.max_episodes}) is below the episodes the generators "
                     f"open at once: generation.num_generators x generation.batch_prompts x "
                     f"algorithm.num_rollouts_per_prompt = {episodes}"
+                )
+            each = self.generation.batch_prompts * self.algorithm.num_rollouts_per_prompt
+            if each > self.environment.max_episodes_per_caller:
+                raise ValueError(
+                    f"environment.max_episodes_per_caller ({self.environment.max_episodes_per_caller}) is below the "
+                    f"episodes a generator opens at once: generation.batch_prompts x "
+                    f"algorithm.num_rollouts_per_prompt = {each}"
                 )
         return self
 

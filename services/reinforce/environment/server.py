@@ -32,12 +32,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import uvicorn
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from prometheus_client import start_http_server
 
 from reinforce.core.environment_api import (
+    CALLER_HEADER,
+    CALLER_PATTERN,
     EPISODES_PATH,
     MAX_REQUEST_BYTES,
     RUN_PATH,
@@ -111,6 +114,7 @@ class Episode:
     tool_calls: int = 0
     done: bool = False
     busy: bool = False  # a step is running
+    caller: str = ""  # who opened it: only that caller may step, read or delete it
     last_active: float = field(default_factory=time.monotonic)
 
 
@@ -139,25 +143,27 @@ class Environment:
             m.seconds.labels(name)
         m.tool_errors.labels(INVALID_TOOL)
 
-    def _episode(self, episode_id: str) -> Episode:
+    def _episode(self, episode_id: str, caller: str) -> Episode:
         episode = self.episodes.get(episode_id)
-        if episode is None:
+        if episode is None or episode.caller != caller:  # another caller's episode is as absent as none
             raise NoEpisode(f"no episode {episode_id!r} (never started, deleted, or idle past episode_idle_s)")
         return episode
 
-    def state(self, episode_id: str) -> EpisodeState:
-        e = self._episode(episode_id)
+    def state(self, episode_id: str, caller: str) -> EpisodeState:
+        e = self._episode(episode_id, caller)
         return EpisodeState(
             episode_id=e.id, turn=e.turn, max_turns=self.spec.max_turns, done=e.done, tool_calls=e.tool_calls
         )
 
-    async def reset(self, prompt: str) -> ResetResponse:
+    async def reset(self, prompt: str, caller: str) -> ResetResponse:
         if len(self.episodes) >= self.spec.max_episodes:
             raise TooManyEpisodes(f"{len(self.episodes)} episodes open (environment.max_episodes)")
+        if (held := sum(e.caller == caller for e in self.episodes.values())) >= self.spec.max_episodes_per_caller:
+            raise TooManyEpisodes(f"{held} episodes of caller {caller!r} open (environment.max_episodes_per_caller)")
         tools = {cls.name: cls(self.context) for cls in self.tool_classes}
         for tool in tools.values():
             await tool.reset(prompt)
-        episode = Episode(uuid.uuid4().hex, tools)
+        episode = Episode(uuid.uuid4().hex, tools, caller=caller)
         self.episodes[episode.id] = episode
         self.metrics.episodes.inc()
         self.metrics.open_episodes.set(len(self.episodes))
@@ -168,8 +174,8 @@ class Environment:
             max_turns=self.spec.max_turns,
         )
 
-    async def step(self, episode_id: str, action: str) -> StepResponse:
-        episode = self._episode(episode_id)
+    async def step(self, episode_id: str, action: str, caller: str) -> StepResponse:
+        episode = self._episode(episode_id, caller)
         if episode.done or episode.busy:
             raise EpisodeConflict(f"episode {episode_id} is {'done' if episode.done else 'taking another step'}")
         episode.busy = True
@@ -242,8 +248,8 @@ class Environment:
             except Exception:
                 log.exception("closing tool %s failed", tool.name)
 
-    async def delete(self, episode_id: str, reason: str = "deleted") -> EpisodeState:
-        state = self.state(episode_id)
+    async def delete(self, episode_id: str, caller: str, reason: str = "deleted") -> EpisodeState:
+        state = self.state(episode_id, caller)
         episode = self.episodes.pop(episode_id)
         self.metrics.open_episodes.set(len(self.episodes))
         await self._finish(episode, reason)
@@ -253,7 +259,7 @@ class Environment:
         """End episodes without a step for environment.episode_idle_s (their generator died or forgot them)."""
         deadline = time.monotonic() - self.spec.episode_idle_s
         for episode in [e for e in self.episodes.values() if not e.busy and e.last_active < deadline]:
-            await self.delete(episode.id, "expired")
+            await self.delete(episode.id, episode.caller, "expired")
 
     async def run(self, code: str) -> RunResponse:
         """One program in the sandbox, outside any episode (the reward server's code checking): a call slot and the
@@ -301,6 +307,10 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(status_code=ERRORS[type(err)], detail=str(err)) from None
 
 
+# The caller a request names (environment_api.CALLER_HEADER; none: ""); a malformed one is refused (422).
+Caller = Annotated[str, Header(alias=CALLER_HEADER, pattern=CALLER_PATTERN)]
+
+
 def create_app(env: Environment, token: str) -> FastAPI:
     """Probes and metrics are open; /v1/* demand `Authorization: Bearer <token>`."""
 
@@ -323,16 +333,16 @@ def create_app(env: Environment, token: str) -> FastAPI:
     add_probes(app, env.metrics.registry, env.ready, ReadyResponse)
 
     @app.post(EPISODES_PATH, status_code=201, dependencies=[Depends(authorized)])
-    async def reset(request: Request) -> dict:
+    async def reset(request: Request, caller: Caller = "") -> dict:
         body = await read_body(request, ResetRequest, MAX_REQUEST_BYTES)
         with _http_errors():
-            return (await env.reset(body.prompt)).model_dump()
+            return (await env.reset(body.prompt, caller)).model_dump()
 
     @app.post(EPISODES_PATH + "/{episode_id}/step", dependencies=[Depends(authorized)])
-    async def step(episode_id: str, request: Request) -> dict:
+    async def step(episode_id: str, request: Request, caller: Caller = "") -> dict:
         body = await read_body(request, StepRequest, MAX_REQUEST_BYTES)
         with _http_errors():
-            return (await env.step(episode_id, body.action)).model_dump()
+            return (await env.step(episode_id, body.action, caller)).model_dump()
 
     @app.post(RUN_PATH, dependencies=[Depends(authorized)])
     async def run(request: Request) -> dict:
@@ -340,14 +350,14 @@ def create_app(env: Environment, token: str) -> FastAPI:
         return (await env.run(body.code)).model_dump()
 
     @app.get(EPISODES_PATH + "/{episode_id}", dependencies=[Depends(authorized)])
-    def state(episode_id: str) -> dict:
+    def state(episode_id: str, caller: Caller = "") -> dict:
         with _http_errors():
-            return env.state(episode_id).model_dump()
+            return env.state(episode_id, caller).model_dump()
 
     @app.delete(EPISODES_PATH + "/{episode_id}", dependencies=[Depends(authorized)])
-    async def delete(episode_id: str) -> dict:
+    async def delete(episode_id: str, caller: Caller = "") -> dict:
         with _http_errors():
-            return (await env.delete(episode_id)).model_dump()
+            return (await env.delete(episode_id, caller)).model_dump()
 
     return app
 

@@ -110,11 +110,15 @@ def chat_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str] | None:
 class EpisodeRunner:
     """Runs a batch of episodes against the environment service with one engine."""
 
-    def __init__(self, engine: GenerationEngine, observations: ObservationFormat, url: str, token: str) -> None:
+    def __init__(
+        self, engine: GenerationEngine, observations: ObservationFormat, url: str, token: str, caller: str
+    ) -> None:
+        """caller: this generator's id, whose episodes the service keeps apart from every other caller's."""
         self.engine = engine
         self.observations = observations
         self.url = url
         self.token = token
+        self.caller = caller
 
     def run(self, prompts: list[tuple[list[int], str, int]], k: int, temperature: float | None) -> list[list[Episode]]:
         """For each (prompt ids, prompt text, seed), k episodes. Raises EnvironmentServiceError (EpisodeLost when
@@ -127,7 +131,7 @@ class EpisodeRunner:
         episodes = [[Episode(ids, s) for s in sample_seeds(seed, k)] for ids, _, seed in prompts]
         flat = [e for group in episodes for e in group]
         texts = [text for _, text, _ in prompts for _ in range(k)]
-        async with EnvironmentClient(self.url, self.token) as env:
+        async with EnvironmentClient(self.url, self.token, caller=self.caller) as env:
             try:
                 resets = await asyncio.gather(*(env.reset(t) for t in texts), return_exceptions=True)
                 for e, reset in zip(flat, resets, strict=True):

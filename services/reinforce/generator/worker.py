@@ -138,7 +138,8 @@ class Generator:
         tokenizer = load_tokenizer(paths.initial_policy)
         config = AutoConfig.from_pretrained(paths.initial_policy, local_files_only=True)
         eos = eos_token_ids(paths.initial_policy, config, tokenizer)
-        return EpisodeRunner(self.engine, ObservationFormat(tokenizer, self.spec.data.chat_template, eos), *environment)
+        observations = ObservationFormat(tokenizer, self.spec.data.chat_template, eos)
+        return EpisodeRunner(self.engine, observations, *environment, caller=self.name)
 
     # ---- weights -----------------------------------------------------------------------------------
     def request_weights(self, weights: WeightVersion, relay_sources: list[str] | None = None) -> None:
