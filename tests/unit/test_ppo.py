@@ -115,6 +115,20 @@ def test_policy_loss_normalises_by_the_whole_batch_token_count():
     assert out.ppo_ratio.item() == pytest.approx(0.9, abs=1e-6)  # metrics stay this call's means
 
 
+def test_ratio_metrics_count_a_cut_response_the_loss_leaves_out():
+    """#47, item 4: under ppo_loss_mask ended the loss (and the clip fraction) count the ended response only; the
+    ratio's means count every response token, the cut one's too, as NeMo-Aligner's actor does."""
+    logprobs, old = _logprobs()
+    ended = torch.tensor([[1, 1, 0], [0, 0, 0]])  # sample 0 ended; sample 1 was cut at max_new_tokens
+    out = ppo_policy_loss(logprobs, old, ADVANTAGES, ended, (0.2, 0.2), metric_mask=MASK)
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5) / 2, abs=1e-6)  # t1 and t2 only
+    assert out.clip_fraction.item() == pytest.approx(0.5)  # t1 of t1, t2
+    assert out.ppo_ratio.item() == pytest.approx(0.9, abs=1e-6)  # (1.5 + 0.5 + 0.5 + 1.1) / 4: both samples
+    assert out.ppo_ratio_clamped.item() == pytest.approx(0.975, abs=1e-6)
+    only_cut = ppo_policy_loss(logprobs, old, ADVANTAGES, torch.zeros_like(MASK), (0.2, 0.2), metric_mask=MASK)
+    assert only_cut.ppo_ratio.item() == pytest.approx(0.9, abs=1e-6)  # no ended response: not 0
+
+
 def test_policy_loss_entropy_bonus():
     logprobs, old = _logprobs()
     entropies = torch.tensor([[0.4, 0.6, 50.0], [1.0, 2.0, 50.0]])

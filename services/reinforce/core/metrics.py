@@ -53,8 +53,10 @@ STEP_METRICS: dict[str, str] = {
     "train_optim/actor_loss": "ppo: clipped surrogate loss minus the entropy bonus, mean over the minibatch steps.",
     "train_optim/critic_loss": "ppo: the critic's clipped value loss, mean over its minibatch steps.",
     "train_optim/critic_grad_norm": "ppo: the critic's gradient norm before clipping, mean over its minibatch steps.",
-    "train_optim/ppo_ratio": "ppo: mean ratio pi / pi_old over response tokens.",
-    "train_optim/ppo_ratio_clamped": "ppo: mean of the ratio clamped to [1 - eps_low, 1 + eps_high].",
+    "train_optim/ppo_ratio": "ppo: mean ratio pi / pi_old over response tokens, ended or not (as NeMo-Aligner's "
+    "actor; the loss counts the tokens of ppo_loss_mask).",
+    "train_optim/ppo_ratio_clamped": "ppo: mean of the ratio clamped to [1 - eps_low, 1 + eps_high], over the same "
+    "tokens as ppo_ratio.",
     "train_optim/ppo_clip_fraction": "ppo, and reinforce with policy_loss clip or gspo: fraction of tokens whose "
     "clipped term won (no gradient from them).",
     "train_rollouts/overlong_penalty": "reinforce: mean overlong reward shaping of the kept samples "

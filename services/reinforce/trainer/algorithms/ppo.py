@@ -115,7 +115,8 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip: tuple[float, floa
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """L_actor (differentiable) and its metrics; the metrics are masked means over this call's tokens, detached."""
+    """L_actor (differentiable) and its metrics, detached: the ratio's means over this call's response tokens
+    (`metric_mask`), the clip fraction and entropy over the loss's tokens (`mask`)."""
 
     loss: Tensor
     ppo_ratio: Tensor  # mean rho (NeMo-Aligner's ppo_ratio)
@@ -134,17 +135,21 @@ def ppo_policy_loss(
     entropies: Tensor | None = None,
     entropy_bonus: float = 0.0,
     importance_weights: Tensor | None = None,
+    metric_mask: Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped surrogate L_actor. logprobs (differentiable), old_logprobs, advantages (whitened), mask m_t, and
     the optional token entropies H_t: all [B, T]; clip: (eps_low, eps_high). normalizer: the whole minibatch's loss
     aggregation, which L_clip and H in the loss use (None: the masked token mean over this call's tokens).
     importance_weights: asynchronous mode's w_t = min(pi_old / mu, cap) [B, T], a constant each clipped term is
-    weighted by (decoupled PPO: pi_old, the weights at the step's start, is the proximal policy; mu sampled)."""
+    weighted by (decoupled PPO: pi_old, the weights at the step's start, is the proximal policy; mu sampled).
+    metric_mask: the tokens ppo_ratio and ppo_ratio_clamped average over (None: mask). NeMo-Aligner's actor
+    averages them over every response token, ended or not, where its loss and entropy count the ended ones only."""
     mask = mask.bool()
+    metric_mask = mask if metric_mask is None else metric_mask.bool()
     if normalizer is None:
         normalizer = LossNormalizer("token_mean", int(mask.sum()), mask.shape[0])
     # Padding's log-ratio is set to 0 before exp: exp of garbage may overflow, and its gradient (0 * inf) be nan.
-    ratio = torch.exp(torch.where(mask, logprobs - old_logprobs.detach(), 0.0))
+    ratio = torch.exp(torch.where(mask | metric_mask, logprobs - old_logprobs.detach(), 0.0))
     terms, ratio_clamped, clipped = clipped_surrogate(ratio, advantages, clip)
     if importance_weights is not None:
         terms = terms * importance_weights.detach()
@@ -155,8 +160,8 @@ def ppo_policy_loss(
         entropy = _token_mean(entropies.detach(), mask)
     return PolicyLoss(
         loss=loss,
-        ppo_ratio=_token_mean(ratio.detach(), mask),
-        ppo_ratio_clamped=_token_mean(ratio_clamped.detach(), mask),
+        ppo_ratio=_token_mean(ratio.detach(), metric_mask),
+        ppo_ratio_clamped=_token_mean(ratio_clamped.detach(), metric_mask),
         # where the clipped term won (TRL's clip_ratio/region_mean)
         clip_fraction=_token_mean(clipped.to(ratio.dtype), mask),
         entropy=entropy,

@@ -308,8 +308,8 @@ class PPO(Algorithm):
         alg, t, temperature = self.spec.algorithm, self.spec.training, self.spec.generation.temperature
         backend.zero_grad()
         # the minibatch's counts over every rank (this rank holds `rows` of it, maybe none)
-        counts = torch.tensor([int(rollout.actor_mask[rows].sum()), int(rollout.actor_samples[rows].sum())])
-        num_tokens, num_samples = self.ranks.sum_tensor(counts).tolist()
+        counts = [rollout.actor_mask[rows].sum(), rollout.actor_samples[rows].sum(), rollout.mask[rows].sum()]
+        num_tokens, num_samples, response_tokens = self.ranks.sum_tensor(torch.stack(counts).long()).tolist()
         normalizer = step_normalizer(self.spec, num_tokens, num_samples)
         sums = dict.fromkeys(("loss", "ppo_ratio", "ppo_ratio_clamped", "ppo_clip_fraction", "entropy"), 0.0)
         prompts = [rollout.prompt_ids[i] for i in rows]
@@ -331,12 +331,14 @@ class PPO(Algorithm):
             out = ppo_policy_loss(
                 logprobs, rollout.old_logprobs[part, columns], rollout.whitened[part, columns],
                 rollout.actor_mask[part, columns], alg.clip_range(), normalizer, entropy, alg.entropy_bonus, weights,
+                metric_mask=rollout.mask[part, columns],
             )  # fmt: skip
             out.loss.backward()
             share = float(rollout.actor_mask[part].sum()) / max(num_tokens, 1)  # this part's share of the token means
+            response_share = float(rollout.mask[part].sum()) / max(response_tokens, 1)  # of the ratio's means
             sums["loss"] += out.loss.item()
-            sums["ppo_ratio"] += out.ppo_ratio.item() * share
-            sums["ppo_ratio_clamped"] += out.ppo_ratio_clamped.item() * share
+            sums["ppo_ratio"] += out.ppo_ratio.item() * response_share
+            sums["ppo_ratio_clamped"] += out.ppo_ratio_clamped.item() * response_share
             sums["ppo_clip_fraction"] += out.clip_fraction.item() * share
             sums["entropy"] += (out.entropy.item() if out.entropy is not None else 0.0) * share
         grad_norm, lr = backend.optimizer_step()
