@@ -205,13 +205,16 @@ def test_a_batch_the_service_refuses_in_part_leaves_no_episode_open(policy: Path
     """The service has room for 2 more episodes (max_episodes 8) and a batch asks for 4: two resets are refused
     (429), the batch fails whole, and the two episodes that did start are deleted, not left to expire."""
 
-    async def fill(n: int) -> list[str]:
-        async with server.client() as env:
-            return [(await env.reset("x")).episode_id for _ in range(n)]
+    async def fill(n: int) -> list[tuple[str, str]]:  # by two callers: each holds at most max_episodes_per_caller
+        held = []
+        for i in range(n):
+            async with server.client(caller := f"filler-{i % 2}") as env:
+                held.append((caller, (await env.reset("x")).episode_id))
+        return held
 
-    async def empty(ids: list[str]) -> None:
-        async with server.client() as env:
-            for episode_id in ids:
+    async def empty(held: list[tuple[str, str]]) -> None:
+        for caller, episode_id in held:
+            async with server.client(caller) as env:
                 await env.delete(episode_id)
 
     held = asyncio.run(fill(6))
