@@ -12,11 +12,10 @@ the "Arithmetic example" section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from sections import write_section
+from sections import save_and_write
 
 from reinforce.core.data import prompt_answer, read_prompt_file
 from reinforce.core.prompt_encoding import encode_prompt
@@ -75,11 +74,7 @@ def main() -> None:
         results[name] = accuracy(engine, prompts, ids, args.samples)
         print(name, results[name])
     results["date"] = time.strftime("%Y-%m-%d")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    section = render(results)
-    write_section(section)
-    print(section)
+    save_and_write(RESULTS, results, render)
 
 
 if __name__ == "__main__":

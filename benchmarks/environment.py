@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from sections import write_section
+from sections import add_render_flag, machine, render_saved, save_and_write
 
 from reinforce.core.environment_client import EnvironmentClient
 from reinforce.core.names import ENVIRONMENT_TOKEN_ENV, LOCAL_HOST
@@ -128,11 +127,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=400, help="tool calls per tool and concurrency level")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--render", action="store_true", help="only rewrite BENCHMARKS.md from the saved JSON")
+    add_render_flag(parser)
     args = parser.parse_args()
     if args.render:
-        write_section(render(json.loads(RESULTS.read_text())))
-        return
+        return render_saved(RESULTS, render)
     load_average = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="env-bench-") as tmp:
         process, url = start_server(Path(tmp), max(args.concurrency))
@@ -146,13 +144,8 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(10)
-    machine = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "load_average": load_average}
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "isolation": isolation, "tools": tools}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    section = render(results)
-    write_section(section)
-    print(section)
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(load_average), "isolation": isolation}
+    save_and_write(RESULTS, {**results, "tools": tools}, render)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ its own prompts). Saved to benchmarks/results/fault_campaign.json, then BENCHMAR
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 import yaml
 from campaign import PROCESS_FAULTS, campaign_overrides, kinds_for, median_step_s, run_campaign, schedule
 from runs import EXAMPLES, assert_each_step_trained_once, max_weight_difference, reinforce, write_spec
-from sections import write_section
+from sections import add_render_flag, machine, render_saved, save_and_write
 
 RESULTS = Path(__file__).parent / "results" / "fault_campaign.json"
 GENERATORS = 2  # a stalled or killed generator's prompts are reclaimed by the other
@@ -105,20 +103,13 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=100, help="faults thrown at the tiny-tools run")
     parser.add_argument("--ppo-faults", type=int, default=30, help="faults thrown at the tiny-ppo run")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--render", action="store_true", help="only rewrite BENCHMARKS.md from the saved JSON")
+    add_render_flag(parser)
     args = parser.parse_args()
     if args.render:
-        write_section(render(json.loads(RESULTS.read_text())))
-        return
+        return render_saved(RESULTS, render)
     load_average = os.getloadavg()[0]
     runs = [measure("tiny-tools", args.faults, args.seed), measure("tiny-ppo", args.ppo_faults, args.seed)]
-    machine = {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "load_average": load_average}
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine, "runs": runs}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    section = render(results)
-    write_section(section)
-    print(section)
+    save_and_write(RESULTS, {"date": time.strftime("%Y-%m-%d"), "machine": machine(load_average), "runs": runs}, render)
 
 
 if __name__ == "__main__":

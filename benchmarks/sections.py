@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+from collections.abc import Callable
 from pathlib import Path
 
 MARKDOWN = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
@@ -20,6 +25,28 @@ def replace_section(markdown: str, section: str) -> str:
         return markdown.rstrip("\n") + "\n\n" + section
     end = markdown.find("\n## ", start + len(heading))
     return markdown[:start] + section + (markdown[end:] if end >= 0 else "")
+
+
+def machine(load_average: float) -> dict:
+    """What a section says of the machine: CPUs, Python, and the 1-minute load average when the measuring began."""
+    return {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "load_average": load_average}
+
+
+def add_render_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--render", action="store_true", help="only rewrite BENCHMARKS.md from the saved JSON")
+
+
+def render_saved(results_file: Path, render: Callable[[dict], str]) -> None:
+    write_section(render(json.loads(results_file.read_text())))
+
+
+def save_and_write(results_file: Path, results: dict, render: Callable[[dict], str]) -> None:
+    """Save a script's results (benchmarks/results/), write its section of BENCHMARKS.md from them, print it."""
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps(results, indent=2) + "\n")
+    section = render(results)
+    write_section(section)
+    print(section)
 
 
 def write_section(section: str) -> None:
