@@ -1,18 +1,21 @@
 """A hundred faults on one run, nothing lost: the fault campaign of tests/campaign.py at full size.
 
-    python benchmarks/fault_campaign.py [--faults 100] [--ppo-faults 30] [--seed 1] [--render]
+    python benchmarks/fault_campaign.py [--faults 100] [--ppo-faults 30] [--seed 1] [--only tiny-tools|tiny-ppo]
+                                        [--render]
 
 Two campaigns, each beside an undisturbed run of the same spec in the same invocation: examples/tiny-tools.yaml
 (multi-turn, the environment service, two generators) and examples/tiny-ppo.yaml (the critic). Every kind of fault
 that applies is thrown about equally often from the seed's schedule. Per kind: how many were thrown and survived,
 the time each cost (from the strike to the next trained step, less the undisturbed run's median step); per run: the
 largest difference between its final weights and the undisturbed run's, and the audit (every step trained once on
-its own prompts). Saved to benchmarks/results/fault_campaign.json, then BENCHMARKS.md's section "Fault campaign".
+its own prompts). Each campaign's result is saved to benchmarks/results/fault_campaign.json as it ends (`--only`
+reruns one, keeping the other's), then BENCHMARKS.md's section "Fault campaign" is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -29,6 +32,7 @@ from sections import add_render_flag, machine, render_saved, save_and_write
 
 RESULTS = Path(__file__).parent / "results" / "fault_campaign.json"
 GENERATORS = 2  # a stalled or killed generator's prompts are reclaimed by the other
+EXAMPLES_RUN = ["tiny-tools", "tiny-ppo"]
 
 
 def steps_for(faults: int, kinds: list[str]) -> int:
@@ -71,19 +75,19 @@ def render(results: dict) -> str:
     lines = [
         "## Fault campaign",
         "",
-        f"Written by `python benchmarks/fault_campaign.py` from `benchmarks/results/fault_campaign.json` "
-        f"({results['machine']['cpus']} CPUs, Python {results['machine']['python']}, 1-minute load average "
-        f"{results['machine']['load_average']:.1f} at the start; measured {results['date']}). Each campaign is one "
-        "run with faults thrown from a seeded schedule (tests/campaign.py), beside an undisturbed run of the same "
-        "spec; a process fault's cost is the time from the strike to the next trained step, less the undisturbed "
-        "run's median step. A data fault costs no wait. CI throws 20 faults at examples/tiny.yaml "
-        "(tests/integration/test_fault_campaign.py).",
+        f"Written by `python benchmarks/fault_campaign.py` from `benchmarks/results/fault_campaign.json` (measured "
+        f"{results['date']}). Each campaign is one run with faults thrown from a seeded schedule (tests/campaign.py), "
+        "beside an undisturbed run of the same spec; a process fault's cost is the time from the strike to the next "
+        "trained step, less the undisturbed run's median step. A data fault costs no wait. CI throws 20 faults at "
+        "examples/tiny.yaml (tests/integration/test_fault_campaign.py).",
         "",
     ]
     for run in results["runs"]:
         lines += [
             f"**examples/{run['example']}.yaml**, {run['steps']} steps, {GENERATORS} generators, seed {run['seed']}: "
-            f"{run['faults']} faults, {run['resumes']} of them resumes; {run['undisturbed_s']:.0f} s undisturbed, "
+            f"{run['faults']} faults, {run['resumes']} of them resumes ({run['machine']['cpus']} CPUs, Python "
+            f"{run['machine']['python']}, 1-minute load average {run['machine']['load_average']:.1f} at the start); "
+            f"{run['undisturbed_s']:.0f} s undisturbed, "
             f"{run['attacked_s']:.0f} s attacked (median step {run['median_step_s']:.2f} s). Final weights' largest "
             f"difference from the undisturbed run's: **{run['max_weight_difference']:g}**. Audit: {run['audit']}.",
             "",
@@ -103,13 +107,19 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=100, help="faults thrown at the tiny-tools run")
     parser.add_argument("--ppo-faults", type=int, default=30, help="faults thrown at the tiny-ppo run")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", choices=EXAMPLES_RUN, help="run this campaign only; keep the other's saved result")
     add_render_flag(parser)
     args = parser.parse_args()
     if args.render:
         return render_saved(RESULTS, render)
-    load_average = os.getloadavg()[0]
-    runs = [measure("tiny-tools", args.faults, args.seed), measure("tiny-ppo", args.ppo_faults, args.seed)]
-    save_and_write(RESULTS, {"date": time.strftime("%Y-%m-%d"), "machine": machine(load_average), "runs": runs}, render)
+    faults = {"tiny-tools": args.faults, "tiny-ppo": args.ppo_faults}
+    for example in [args.only] if args.only else EXAMPLES_RUN:
+        load_average = os.getloadavg()[0]
+        run = {**measure(example, faults[example], args.seed), "machine": machine(load_average)}
+        saved = json.loads(RESULTS.read_text())["runs"] if RESULTS.is_file() else []
+        runs = {r["example"]: r for r in saved} | {example: run}
+        runs = [runs[name] for name in EXAMPLES_RUN if name in runs]
+        save_and_write(RESULTS, {"date": time.strftime("%Y-%m-%d"), "runs": runs}, render)
 
 
 if __name__ == "__main__":

@@ -213,11 +213,16 @@ def kinds_for(spec: dict) -> list[str]:
 
 def schedule(seed: int, faults: int, steps: int, kinds: list[str]) -> list[tuple[int, str]]:
     """`faults` faults, every kind about equally often, in a seeded order; each strikes once the trainer has
-    finished a step drawn from 1..steps-2 (sorted, so that the run's last steps are left to end it)."""
+    finished a step of 1..steps-2, the process faults each after a step of its own (the campaign waits for the
+    step after it before the next: two on one step would push the last ones past the run's end)."""
     rng = random.Random(seed)
     chosen = [kinds[i % len(kinds)] for i in range(faults)]
     rng.shuffle(chosen)
-    return list(zip(sorted(rng.randint(1, steps - 2) for _ in chosen), chosen, strict=True))
+    process = [kind for kind in chosen if kind in PROCESS_FAULTS]
+    if len(process) > steps - 2:
+        raise ValueError(f"{len(process)} process faults need more than {steps} steps (one each, and two to end)")
+    at = iter(sorted(rng.sample(range(1, steps - 1), len(process))))
+    return sorted((next(at) if kind in PROCESS_FAULTS else rng.randint(1, steps - 2), kind) for kind in chosen)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ def test_twenty_faults_on_one_run_lose_nothing(tmp_path, tiny_run: FinishedRun):
     steps, generators = tiny["training"]["steps"], tiny["generation"]["num_generators"]
     # checkpoints twice as often as tiny_run's (they change no weight): a killed trainer redoes fewer steps
     spec = write_spec(tmp_path, **overrides(steps, generators, training={"checkpoint_every": CHECKPOINT_EVERY}))
-    plan = [(1, "kill -9 trainer"), *schedule(SEED, FAULTS - 1, steps, kinds_for(tiny))]
+    # the first alone on step 1, the schedule's on steps 2.. (a process fault has a step of its own)
+    plan = [(1, "kill -9 trainer"), *((s + 1, k) for s, k in schedule(SEED, FAULTS - 1, steps - 1, kinds_for(tiny)))]
     assert set(kind for _, kind in plan) == set(kinds_for(tiny)), "every kind that applies is thrown"
 
     campaign, struck = run_campaign(spec, tmp_path, plan, SEED)
