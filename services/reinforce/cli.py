@@ -7,35 +7,39 @@ data.loader dali. Each command lives with its service; this only dispatches."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from reinforce.core.spec import SpecError
 
+# Each command and the function of its service's module that adds it: a command imports its own module only (the
+# generator's and the operator's pull in transformers and kopf, seconds a `reinforce status` need not wait).
+COMMANDS = {
+    "run": "reinforce.supervisor.main:add_run_command",
+    "status": "reinforce.supervisor.status:add_status_command",
+    "samples": "reinforce.supervisor.samples:add_samples_command",
+    "generate": "reinforce.generator.answer:add_generate_command",
+    "operator": "reinforce.operator.main:add_operator_command",
+    "rollout": "reinforce.core.rollout:add_rollout_command",
+    "shard-prompts": "reinforce.core.prompt_shards:add_shard_prompts_command",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every command and its arguments (the docs' CLI reference is generated from this parser)."""
-    from reinforce.core.prompt_shards import add_shard_prompts_command
-    from reinforce.core.rollout import add_rollout_command
-    from reinforce.generator.answer import add_generate_command
-    from reinforce.operator.main import add_operator_command
-    from reinforce.supervisor.main import add_run_command
-    from reinforce.supervisor.samples import add_samples_command
-    from reinforce.supervisor.status import add_status_command
 
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command and its arguments (the docs' CLI reference is generated from this parser), or command `only`."""
     parser = argparse.ArgumentParser(prog="reinforce", description="Kubernetes-native REINFORCE RLHF pipeline.")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_run_command(commands)
-    add_status_command(commands)
-    add_samples_command(commands)
-    add_generate_command(commands)
-    add_operator_command(commands)
-    add_rollout_command(commands)
-    add_shard_prompts_command(commands)
+    for name, where in COMMANDS.items():
+        if only in (None, name):
+            module, function = where.split(":")
+            getattr(importlib.import_module(module), function)(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # the command is the first argument (`reinforce --help`, a typo: every command, for the full usage)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if (check := getattr(args, "check", None)) and (problem := check(args)):
         parser.error(problem)

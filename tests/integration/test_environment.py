@@ -877,6 +877,7 @@ def test_the_supervisor_starts_the_service_with_its_token_only(tmp_path: Path) -
     children.paths.spec.write_text(dump_spec(spec))
     try:
         url = children.start_environment()
+        children.wait_until_ready()
         [component] = children.components
         assert set(component.credentials) == {ENVIRONMENT_TOKEN_ENV}  # no Redis URL, no other service's token
         assert httpx.get(url + "/readyz").json()["tools"] == ["calculator"]

@@ -125,6 +125,7 @@ class Children:
         self.weights_port = free_port() if spec.weights.transport == "http" else None
         self.threads = thread_shares(spec, thread_count())
         self.environment_url: str | None = None
+        self.starting: list[tuple[Component, str]] = []  # started, not yet waited for: each with its readiness URL
 
     def component(
         self, name: str, argv: list[str], threads: int | None = None, service: launch.Service | None = None
@@ -164,7 +165,7 @@ class Children:
         argv = self.service_argv(launch.ENVIRONMENT, EnvironmentFlags(port=port))
         c = self.component(COMPONENT_ENVIRONMENT, argv, service=launch.ENVIRONMENT)
         self.environment_url = f"http://{LOCAL_HOST}:{port}"
-        c.wait_until(lambda: http_ok(self.environment_url + launch.ENVIRONMENT.ready_path))
+        self.starting.append((c, self.environment_url + launch.ENVIRONMENT.ready_path))
         return self.environment_url
 
     def start_reward(self) -> str:
@@ -175,7 +176,7 @@ class Children:
         flags = RewardFlags(http_port=http, grpc_port=grpc, metrics_port=metrics, environment_url=environment_url)
         c = self.component("reward", self.service_argv(launch.REWARD, flags), self.threads.reward, launch.REWARD)
         url = f"http://{LOCAL_HOST}:{http}"
-        c.wait_until(lambda: http_ok(url + launch.REWARD.ready_path))
+        self.starting.append((c, url + launch.REWARD.ready_path))
         return url
 
     def start_critic(self) -> str:
@@ -185,11 +186,11 @@ class Children:
         argv = self.service_argv(launch.CRITIC, CriticFlags(port=port))
         c = self.component(COMPONENT_CRITIC, argv, self.threads.critic, launch.CRITIC)
         url = f"http://{LOCAL_HOST}:{port}"
-        c.wait_until(lambda: http_ok(url + launch.CRITIC.ready_path))
+        self.starting.append((c, url + launch.CRITIC.ready_path))
         return url
 
     def start_generators(self, reward_url: str) -> dict[str, str]:
-        """Every generator, then waits for them all: their names -> control-plane URLs."""
+        """Every generator: their names -> control-plane URLs."""
         urls = {}
         for i in range(self.spec.generation.num_generators):
             name, port = f"generator-{i}", free_port()
@@ -199,11 +200,18 @@ class Children:
                 reward_url=reward_url, port=port, id=name, weights_url=weights_url, environment_url=self.environment_url
             )
             argv = self.service_argv(launch.GENERATOR, flags)
-            self.component(name, argv, self.threads.generator, launch.GENERATOR)
+            c = self.component(name, argv, self.threads.generator, launch.GENERATOR)
             urls[name] = f"http://{LOCAL_HOST}:{port}"
-        for c, url in zip(self.components[-len(urls) :], urls.values(), strict=True):
-            c.wait_until(lambda url=url: http_ok(url + launch.GENERATOR.ready_path))
+            self.starting.append((c, urls[name] + launch.GENERATOR.ready_path))
         return urls
+
+    def wait_until_ready(self) -> None:
+        """Until every component started since the last call answers its readiness probe: they start side by side
+        (one's start-up, mostly imports and loading a model, need not wait for another's), and a RunFailed names
+        the first that exits or is not ready in time."""
+        for c, ready_url in self.starting:
+            c.wait_until(lambda url=ready_url: http_ok(url))
+        self.starting.clear()
 
     def start_trainer(self, critic_url: str | None) -> Component:
         return self.component("trainer", self.trainer_argv(critic_url), self.threads.trainer, launch.TRAINER)

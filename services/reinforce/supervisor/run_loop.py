@@ -1,5 +1,5 @@
-"""The local supervisor's run: start the children in dependency order, then until the trainer ends restart any that
-exit, rotate their logs, roll weight versions out with the reconciler the operator uses, and show progress."""
+"""The local supervisor's run: start Redis, then the other children side by side, then until the trainer ends restart
+any that exit, rotate their logs, roll weight versions out with the reconciler the operator uses, and show progress."""
 
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ class Supervisor:
 
     def run(self) -> None:
         children = self.children
-        children.start_redis()
-        # the generators' multi-turn rollouts run their episodes here (and reward.function code_tests its tests)
+        children.start_redis()  # the generators and the trainer connect to it as they start
+        # The others start side by side, as a run's pods do: each waits for what it calls (a generator for the
+        # reward server, the trainer for the critic and for rollouts), so none need be ready before another starts.
+        # The generators' multi-turn rollouts run their episodes in the environment (and code_tests its tests).
         if self.spec.environment.enabled:
             children.start_environment()
         reward_url = children.start_reward()
         critic_url = children.start_critic() if self.spec.algorithm.name == "ppo" else None
         generator_urls = children.start_generators(reward_url)
         trainer = children.start_trainer(critic_url)
+        children.wait_until_ready()
         # A short outage budget: the reconciler is level-triggered (a failed pass is retried by the next), and
         # the supervisor's loop must not stall while it restarts Redis itself.
         queue = RolloutQueue(connect(children.credentials[REDIS_URL_ENV], max_outage_s=1.0), self.spec.name)
