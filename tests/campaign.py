@@ -71,13 +71,29 @@ class Campaign:
         rows = read_metrics(RunPaths(self.run_dir).metrics)
         return int(rows[-1]["step"]) if rows else 0
 
-    def wait_for_step(self, step: int, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
-        """Until step `step` (or a later one) is the last trained; fails if the run ends first."""
+    def wait_for_step(self, step: int, since: float = 0.0, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
+        """Until step `step` (or a later one) is the last trained, at a time after `since` (a step that ended while
+        a fault struck does not show that the run recovered from it); fails if the run ends first."""
         deadline = time.monotonic() + timeout_s
-        while self.last_step() < step:
+        while not ((rows := read_metrics(RunPaths(self.run_dir).metrics)) and rows[-1]["step"] >= step > 0 and (
+            rows[-1]["time"] > since
+        )):  # fmt: skip
             assert self.proc.poll() is None, f"the run ended at step {self.last_step()}:\n{self.stderr()[-3000:]}"
             assert time.monotonic() < deadline, f"step {step} not trained in {timeout_s} s"
             time.sleep(0.1)
+
+    def with_queue(self, action: Callable[[redis.Redis, RolloutQueue], None]) -> None:
+        """`action` on the run's Redis, through an outage (a restart, a resumed run's new Redis): a data fault may
+        strike while a process fault's restart is still under way."""
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while True:
+            client, queue = self.queue()
+            try:
+                with client:
+                    return action(client, queue)
+            except (redis.ConnectionError, redis.TimeoutError):
+                assert time.monotonic() < deadline, f"the run's Redis unreachable for {RECOVERY_TIMEOUT_S} s"
+                time.sleep(0.5)
 
     def queue(self) -> tuple[redis.Redis, RolloutQueue]:
         """A client of the run's Redis (its address and password from RUN_DIR/redis/redis.conf) and its keys."""
@@ -141,36 +157,30 @@ def kill_everything(campaign: Campaign) -> None:
 def push_garbage(stream: str) -> Callable[[Campaign], None]:
     """An undecodable entry in the run's prompts or rollouts stream: its reader must dead-letter it."""
 
-    def strike(campaign: Campaign) -> None:
-        client, queue = campaign.queue()
-        with client:
-            key = getattr(queue, f"{stream}_key")
-            entry_id = client.xadd(key, {DATA_FIELD: GARBAGE})
-            deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-            while not any(
-                fields[b"entry_id"] == entry_id for _, fields in client.xrange(queue.deadletter_key)
-            ):  # fmt: skip
-                assert time.monotonic() < deadline, f"garbage entry {entry_id!r} in {key} never dead-lettered"
-                time.sleep(0.1)
+    def strike(client: redis.Redis, queue: RolloutQueue) -> None:
+        key = getattr(queue, f"{stream}_key")
+        entry_id = client.xadd(key, {DATA_FIELD: GARBAGE})
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while not any(fields[b"entry_id"] == entry_id for _, fields in client.xrange(queue.deadletter_key)):
+            assert time.monotonic() < deadline, f"garbage entry {entry_id!r} in {key} never dead-lettered"
+            time.sleep(0.1)
 
-    return strike
+    return lambda campaign: campaign.with_queue(strike)
 
 
 def push_copy(stream: str, forge: Callable[[bytes], bytes] = lambda data: data) -> Callable[[Campaign], None]:
     """A copy (through `forge`) of an entry waiting in a stream: a prompt sampled twice, a group delivered twice."""
 
-    def strike(campaign: Campaign) -> None:
-        client, queue = campaign.queue()
-        with client:
-            key = getattr(queue, f"{stream}_key")
-            deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-            while not (entries := client.xrange(key, count=1)):
-                assert time.monotonic() < deadline, f"{key} stayed empty"
-                time.sleep(0.05)
-            [(_, fields)] = entries
-            client.xadd(key, {DATA_FIELD: forge(fields[DATA_FIELD])})
+    def strike(client: redis.Redis, queue: RolloutQueue) -> None:
+        key = getattr(queue, f"{stream}_key")
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while not (entries := client.xrange(key, count=1)):
+            assert time.monotonic() < deadline, f"{key} stayed empty"
+            time.sleep(0.05)
+        [(_, fields)] = entries
+        client.xadd(key, {DATA_FIELD: forge(fields[DATA_FIELD])})
 
-    return strike
+    return lambda campaign: campaign.with_queue(strike)
 
 
 def nan_logprobs(data: bytes) -> bytes:
@@ -241,10 +251,10 @@ def run_campaign(spec: Path, output: Path, plan: list[tuple[int, str]], seed: in
     struck = []
     for step, kind in plan:
         campaign.wait_for_step(step)
-        after, start = campaign.last_step(), time.monotonic()
+        after, start, struck_at = campaign.last_step(), time.monotonic(), time.time()
         FAULTS[kind](campaign)
         if kind in PROCESS_FAULTS:
-            campaign.wait_for_step(after + 1)
+            campaign.wait_for_step(after + 1, since=struck_at)
         struck.append(Struck(kind, after, time.monotonic() - start if kind in PROCESS_FAULTS else 0.0))
     assert campaign.proc.wait(RECOVERY_TIMEOUT_S) == 0, campaign.stderr()[-3000:]
     return campaign, struck
