@@ -32,7 +32,7 @@ from pathlib import Path
 
 import redis
 import yaml
-from runs import redis_pid, service_pids
+from runs import redis_pid, run_queue, service_pids
 
 from reinforce.core.metrics import read_metrics
 from reinforce.core.queue import DATA_FIELD, RolloutQueue
@@ -87,21 +87,13 @@ class Campaign:
         strike while a process fault's restart is still under way."""
         deadline = time.monotonic() + RECOVERY_TIMEOUT_S
         while True:
-            client, queue = self.queue()
+            client, queue = run_queue(self.run_dir)
             try:
                 with client:
                     return action(client, queue)
             except (redis.ConnectionError, redis.TimeoutError):
                 assert time.monotonic() < deadline, f"the run's Redis unreachable for {RECOVERY_TIMEOUT_S} s"
                 time.sleep(0.5)
-
-    def queue(self) -> tuple[redis.Redis, RolloutQueue]:
-        """A client of the run's Redis (its address and password from RUN_DIR/redis/redis.conf) and its keys."""
-        conf = self.run_dir / "redis" / "redis.conf"
-        config = dict(line.split(maxsplit=1) for line in conf.read_text().splitlines() if " " in line)
-        name = yaml.safe_load((self.run_dir / "spec.yaml").read_text())["name"]
-        client = redis.Redis(port=int(config["port"]), password=config["requirepass"], socket_timeout=10)
-        return client, RolloutQueue(client, name)
 
 
 def newest_pid(campaign: Campaign, module: str, name: str = "", timeout_s: float = 60) -> int:

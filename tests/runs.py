@@ -13,11 +13,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
 from reinforce.core.metrics import read_metrics
+from reinforce.core.queue import RolloutQueue
 from reinforce.core.run_dir import RunPaths
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -132,6 +134,15 @@ def flag(process: psutil.Process, name: str) -> str:
     """The value given to a process's command-line flag `name`."""
     argv = process.cmdline()
     return argv[argv.index(name) + 1]
+
+
+def run_queue(run_dir: Path) -> tuple[redis.Redis, RolloutQueue]:
+    """A client of the run's Redis (its address and password from RUN_DIR/redis/redis.conf) and the run's keys."""
+    conf = run_dir / "redis" / "redis.conf"
+    config = dict(line.split(maxsplit=1) for line in conf.read_text().splitlines() if " " in line)
+    name = yaml.safe_load((run_dir / "spec.yaml").read_text())["name"]
+    client = redis.Redis(port=int(config["port"]), password=config["requirepass"], socket_timeout=10)
+    return client, RolloutQueue(client, name)
 
 
 def redis_pid(run_dir: Path) -> int:

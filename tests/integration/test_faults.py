@@ -13,8 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
-import yaml
 from runs import (
     BASELINE_TRAINING,
     MEGATRON_TP2,
@@ -24,6 +22,7 @@ from runs import (
     on_engine,
     redis_pid,
     reinforce,
+    run_queue,
     service_pids,
     start,
     wait_for_step,
@@ -31,7 +30,7 @@ from runs import (
 )
 
 from reinforce.core.metrics import read_metrics
-from reinforce.core.queue import GENERATORS_GROUP, RolloutQueue
+from reinforce.core.queue import GENERATORS_GROUP
 from reinforce.core.run_dir import RunPaths
 
 pytestmark = pytest.mark.slow
@@ -49,11 +48,9 @@ def kill_mid_run(proc, run_dir: Path, pid_of, step: int | None = None) -> int:
 
 def held_prompts(run_dir: Path, consumer: str) -> int:
     """Prompts `consumer` has read and not acknowledged (its pending entries in the run's Redis)."""
-    config = dict(line.split(maxsplit=1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())
-    name = yaml.safe_load((run_dir / "spec.yaml").read_text())["name"]
-    with redis.Redis(port=int(config["port"]), password=config["requirepass"]) as client:
-        prompts = RolloutQueue(client, name).prompts_key
-        return len(client.xpending_range(prompts, GENERATORS_GROUP, "-", "+", 1000, consumername=consumer))
+    client, queue = run_queue(run_dir)
+    with client:
+        return len(client.xpending_range(queue.prompts_key, GENERATORS_GROUP, "-", "+", 1000, consumername=consumer))
 
 
 def kill_holding_prompts(proc, run_dir: Path, generator: str) -> None:
