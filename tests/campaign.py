@@ -8,7 +8,15 @@ tests/integration/test_fault_campaign.py throws about twenty in CI. What must ho
   weights equal an undisturbed run's of the same spec, bit for bit;
 - **data faults** (undecodable and copied records pushed into the run's streams, a copied group with NaN
   log-probs): each undecodable entry is dead-lettered, and copies are dropped or refused, so that every step still
-  trains once on its own prompts (the audit trail) and the weights stay the undisturbed run's.
+  trains once on its own prompts (the audit trail) and the weights stay the undisturbed run's;
+- **a weight file damaged in transit** (emulated: a byte of the next published version's file flipped as it
+  appears, so that what a generator reads does not match the published sha256, and set back once one refused it):
+  timed and judged as the process faults, bit for bit: no generator samples with bytes it did not check;
+- **a full disk during a checkpoint** (the checkpoints folder a small tmpfs, filled until the trainer's next
+  checkpoint fails, then freed; root only): a process fault, the trainer exits and its restart resumes;
+- **reward faults** (the reward function raises, or answers NaN, for its next few calls; a spec whose reward is
+  tests/campaign_reward.py's): the samples scored then are left out of their step, so the weights are not the
+  undisturbed run's; the audit names each prompt that lost samples, and how many, as the step's metrics count them.
 
 A fault strikes once the trainer has finished its step; after a process fault the campaign waits until a later
 step is trained (the time that took, beyond a median step, is the fault's cost) before it throws the next.
@@ -17,9 +25,12 @@ step is trained (the time that took, beyond a median step, is the fault's cost) 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -32,6 +43,7 @@ from pathlib import Path
 
 import redis
 import yaml
+from campaign_reward import write_counts
 from runs import redis_pid, run_queue, service_pids
 
 from reinforce.core.metrics import read_metrics
@@ -45,6 +57,12 @@ RECLAIM_IDLE_S = 2.0  # generation.reclaim_idle_s of the campaign's runs: a stal
 STALL_BEYOND_S = 1.0
 RECOVERY_TIMEOUT_S = 300.0  # a fault the run has not recovered from by then fails the campaign
 GARBAGE = b"\xff\xfe not a protobuf record"
+CHECKPOINT_DISK = "32m"  # the checkpoints' tmpfs: a few of the tiny examples' checkpoints and the filler
+FILLER = ".campaign-filler"  # not step-*: never a checkpoint to list, resume or rotate
+REWARD_FAULT_CALLS = 2  # the reward function's calls a reward fault spoils: a window of a step or two
+CAMPAIGN_REWARD = "campaign_reward:char_fraction_with_faults"  # tests/campaign_reward.py
+TRAINER_FAILED = "component trainer exited with code 1; restart"  # the supervisor's line for a trainer that raised
+WEIGHTS_REFUSED = "refusing weights:"  # a generator's log line for a version it did not load
 
 
 @dataclass
@@ -58,11 +76,13 @@ class Campaign:
     resumes: int = 0
 
     def start(self, *args: str) -> None:
+        # tests/ on the path: the reward server imports campaign_reward where the spec names it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
         with (
             (self.output / f"stdout-{self.resumes}.txt").open("w") as out,
             (self.output / f"stderr-{self.resumes}.txt").open("w") as err,
         ):  # files, not pipes: nobody reads a pipe during a long run, and a full one blocks it
-            self.proc = subprocess.Popen([sys.executable, "-m", "reinforce", *args], stdout=out, stderr=err)
+            self.proc = subprocess.Popen([sys.executable, "-m", "reinforce", *args], stdout=out, stderr=err, env=env)
 
     def stderr(self) -> str:
         return "".join(p.read_text() for p in sorted(self.output.glob("stderr-*.txt")))
@@ -71,16 +91,25 @@ class Campaign:
         rows = read_metrics(RunPaths(self.run_dir).metrics)
         return int(rows[-1]["step"]) if rows else 0
 
-    def wait_for_step(self, step: int, since: float = 0.0, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
+    def wait_for_step(self, step: int, since: float = 0.0) -> None:
         """Until step `step` (or a later one) is the last trained, at a time after `since` (a step that ended while
-        a fault struck does not show that the run recovered from it); fails if the run ends first."""
+        a fault struck does not show that the run recovered from it)."""
+
+        def trained() -> bool:
+            rows = read_metrics(RunPaths(self.run_dir).metrics)
+            return bool(rows) and rows[-1]["step"] >= step > 0 and rows[-1]["time"] > since
+
+        self.wait_for(trained, f"step {step} trained")
+
+    def wait_for(
+        self, condition: Callable[[], bool], what: str, timeout_s: float = RECOVERY_TIMEOUT_S, poll_s: float = 0.1
+    ) -> None:
+        """Until `condition()`, asked every `poll_s`; fails if the run ends first, or after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while not ((rows := read_metrics(RunPaths(self.run_dir).metrics)) and rows[-1]["step"] >= step > 0 and (
-            rows[-1]["time"] > since
-        )):  # fmt: skip
+        while not condition():
             assert self.proc.poll() is None, f"the run ended at step {self.last_step()}:\n{self.stderr()[-3000:]}"
-            assert time.monotonic() < deadline, f"step {step} not trained in {timeout_s} s"
-            time.sleep(0.1)
+            assert time.monotonic() < deadline, f"not {what} in {timeout_s} s"
+            time.sleep(poll_s)
 
     def with_queue(self, action: Callable[[redis.Redis, RolloutQueue], None]) -> None:
         """`action` on the run's Redis, through an outage (a restart, a resumed run's new Redis): a data fault may
@@ -175,6 +204,82 @@ def push_copy(stream: str, forge: Callable[[bytes], bytes] = lambda data: data) 
     return lambda campaign: campaign.with_queue(strike)
 
 
+def damage_weights_in_transit(campaign: Campaign) -> None:
+    """Flip a byte of each weight version published from now on, the moment its file appears, until a generator
+    refuses one (a generator that read a version before the flip loaded it whole); then set it back, and the
+    reconciler's next push is read whole."""
+    paths = RunPaths(campaign.run_dir)
+    refused = refusals(paths)
+    seen = set(paths.weights.glob("v*.safetensors"))
+    while refusals(paths) == refused:
+        # a version is read once the reconciler's next pass (every 50-100 ms) pushes it: look every 5 ms
+        campaign.wait_for(lambda: bool(set(paths.weights.glob("v*.safetensors")) - seen), "a new version", poll_s=0.005)
+        [path] = set(paths.weights.glob("v*.safetensors")) - seen
+        seen.add(path)
+        with contextlib.suppress(FileNotFoundError), path.open("r+b") as weights:  # rotation may remove an old one
+            offset = path.stat().st_size // 2
+            weights.seek(offset)
+            byte = weights.read(1)
+            weights.seek(offset)
+            weights.write(bytes([byte[0] ^ 0xFF]))
+            weights.flush()
+            with contextlib.suppress(AssertionError):
+                campaign.wait_for(lambda: refusals(paths) > refused, "a generator refused the damaged version", 5.0)
+            weights.seek(offset)
+            weights.write(byte)
+
+
+def refusals(paths: RunPaths) -> int:
+    """The weight versions the generators refused (their logs' lines; a restart appends to the same file)."""
+    return sum(log.read_text().count(WEIGHTS_REFUSED) for log in paths.logs.glob("generator-*.log"))
+
+
+def fill_checkpoint_disk(campaign: Campaign) -> None:
+    """Fill the checkpoints' tmpfs until the trainer's next checkpoint fails on it (the trainer exits, its restart
+    resumes from the newest intact checkpoint), then free the space."""
+    root = RunPaths(campaign.run_dir).checkpoints
+    assert os.path.ismount(root), f"{root} is not the campaign's tmpfs (run_campaign mounts it)"
+    exits = campaign.stderr().count(TRAINER_FAILED)
+    with (root / FILLER).open("wb", buffering=0) as filler:
+        try:
+            while filler.write(b"\0" * 2**20):
+                pass
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+    # the next checkpoint is at most checkpoint_every steps away
+    campaign.wait_for(lambda: campaign.stderr().count(TRAINER_FAILED) > exits, "a checkpoint failed on the full disk")
+    (root / FILLER).unlink()
+
+
+def mounted_checkpoint_disk(campaign: Campaign) -> Path:
+    """The run's checkpoints folder on a tmpfs of CHECKPOINT_DISK, mounted once the supervisor has prepared the
+    run folder (a checkpoints folder before then would make it refuse the folder as another run's)."""
+    paths = RunPaths(campaign.run_dir)
+    campaign.wait_for(paths.root.joinpath("run_id").is_file, "the run folder prepared")
+    paths.checkpoints.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={CHECKPOINT_DISK}", "tmpfs", str(paths.checkpoints)],
+                   check=True)  # fmt: skip
+    return paths.checkpoints
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+def reward_calls(name: str) -> Callable[[Campaign], None]:
+    """The campaign reward's next REWARD_FAULT_CALLS calls raise (`raise`) or answer NaN (`nan`); it returns once
+    they were made (tests/campaign_reward.py)."""
+
+    def strike(campaign: Campaign) -> None:
+        spec = yaml.safe_load((campaign.run_dir / "spec.yaml").read_text())
+        path = Path(spec["reward"]["kwargs"]["faults_file"])
+        write_counts(path, {name: REWARD_FAULT_CALLS})
+        campaign.wait_for(lambda: json.loads(path.read_text())[name] == 0, f"{REWARD_FAULT_CALLS} reward calls made")
+
+    return strike
+
+
 def nan_logprobs(data: bytes) -> bytes:
     group = RolloutGroup.FromString(data)
     for sample in group.samples:
@@ -192,6 +297,8 @@ PROCESS_FAULTS: dict[str, Callable[[Campaign], None]] = {
     "SIGSTOP a generator past the reclaim time": stall(generator_pid),
     "SIGSTOP trainer": stall(component("reinforce.trainer")),
     "kill -9 supervisor and all, then --resume": kill_everything,
+    "disk full during a checkpoint": fill_checkpoint_disk,
+    "weight file damaged in transit": damage_weights_in_transit,
 }
 DATA_FAULTS: dict[str, Callable[[Campaign], None]] = {
     "undecodable prompt entry": push_garbage("prompts"),
@@ -200,17 +307,31 @@ DATA_FAULTS: dict[str, Callable[[Campaign], None]] = {
     "duplicated rollout entry": push_copy("rollouts"),
     "rollout copy with NaN log-probs": push_copy("rollouts", nan_logprobs),
 }
-FAULTS = {**PROCESS_FAULTS, **DATA_FAULTS}
+REWARD_FAULTS: dict[str, Callable[[Campaign], None]] = {
+    "reward raises for a window": reward_calls("raise"),
+    "NaN rewards for a window": reward_calls("nan"),
+}
+FAULTS = {**PROCESS_FAULTS, **DATA_FAULTS, **REWARD_FAULTS}
 
 
 def kinds_for(spec: dict) -> list[str]:
-    """The fault kinds that apply to a spec: the environment service's and the critic's only where they run."""
+    """The fault kinds that apply to a spec: the environment service's and the critic's only where they run, the
+    full disk where this process may mount a tmpfs, the reward faults where the spec's reward is CAMPAIGN_REWARD."""
     absent = set()
     if not spec.get("environment", {}).get("enabled"):
         absent.add("kill -9 environment service")
     if spec.get("algorithm", {}).get("name", "reinforce") != "ppo":
         absent.add("kill -9 critic")
+    if not can_mount():
+        absent.add("disk full during a checkpoint")
+    if spec.get("reward", {}).get("function") != CAMPAIGN_REWARD:
+        absent |= set(REWARD_FAULTS)
     return [kind for kind in FAULTS if kind not in absent]
+
+
+def faulty_reward(faults_file: Path) -> dict:
+    """The reward section of a campaign with reward faults: the tiny examples' reward, and its windows' file."""
+    return {"function": CAMPAIGN_REWARD, "kwargs": {"char": "a", "faults_file": str(faults_file)}}
 
 
 def schedule(seed: int, faults: int, steps: int, kinds: list[str]) -> list[tuple[int, str]]:
@@ -240,15 +361,20 @@ def run_campaign(spec: Path, output: Path, plan: list[tuple[int, str]], seed: in
     run_dir = Path(yaml.safe_load(spec.read_text())["run_dir"])
     campaign = Campaign(run_dir, output, rng=random.Random(seed))
     campaign.start("run", str(spec))
-    struck = []
-    for step, kind in plan:
-        campaign.wait_for_step(step)
-        after, start, struck_at = campaign.last_step(), time.monotonic(), time.time()
-        FAULTS[kind](campaign)
-        if kind in PROCESS_FAULTS:
-            campaign.wait_for_step(after + 1, since=struck_at)
-        struck.append(Struck(kind, after, time.monotonic() - start if kind in PROCESS_FAULTS else 0.0))
-    assert campaign.proc.wait(RECOVERY_TIMEOUT_S) == 0, campaign.stderr()[-3000:]
+    disk = mounted_checkpoint_disk(campaign) if any(k == "disk full during a checkpoint" for _, k in plan) else None
+    try:
+        struck = []
+        for step, kind in plan:
+            campaign.wait_for_step(step)
+            after, start, struck_at = campaign.last_step(), time.monotonic(), time.time()
+            FAULTS[kind](campaign)
+            if kind in PROCESS_FAULTS:
+                campaign.wait_for_step(after + 1, since=struck_at)
+            struck.append(Struck(kind, after, time.monotonic() - start if kind in PROCESS_FAULTS else 0.0))
+        assert campaign.proc.wait(RECOVERY_TIMEOUT_S) == 0, campaign.stderr()[-3000:]
+    finally:
+        if disk is not None:  # lazily: a failed campaign's trainer may still hold files there
+            subprocess.run(["umount", "--lazy", str(disk)], check=True)
     return campaign, struck
 
 

@@ -162,6 +162,18 @@ def assert_each_step_trained_once(run_dir: Path, steps: int, prompts_per_step: i
         assert sorted(r["prompt_ids"]) == sorted(f"{r['step'] - 1}-{i}" for i in range(prompts_per_step))
 
 
+def assert_lost_samples_audited(run_dir: Path) -> int:
+    """Every sample a step left out for a non-finite reward is named in the audit trail under its prompt; returns
+    how many were."""
+    audit = [json.loads(line) for line in RunPaths(run_dir).trained_groups.read_text().splitlines()]
+    rows = {row["step"]: row for row in read_metrics(RunPaths(run_dir).metrics)}
+    for entry in audit:
+        lost = entry.get("nonfinite_reward_samples", {})
+        assert set(lost) <= set(entry["prompt_ids"]), entry
+        assert sum(lost.values()) == rows[entry["step"]]["train_rollouts/dropped_nonfinite_rewards"], entry
+    return sum(sum(e.get("nonfinite_reward_samples", {}).values()) for e in audit)
+
+
 # The algorithm section of each recipe on the tiny example (benchmarks/algorithms.py, test_pipeline.py): the peers'
 # recipes as docs/algorithms.md's "Algorithm recipes" names them.
 RECIPES: dict[str, dict] = {

@@ -18,11 +18,20 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from runs import assert_each_step_trained_once, reinforce, service_pids, start, wait_for_step, write_spec
+from runs import (
+    assert_each_step_trained_once,
+    assert_lost_samples_audited,
+    reinforce,
+    run_queue,
+    service_pids,
+    start,
+    wait_for_step,
+    write_spec,
+)
 from safetensors.torch import load_file
 
 from reinforce.core.metrics import read_metrics
-from reinforce.core.queue import DATA_FIELD
+from reinforce.core.queue import DATA_FIELD, RolloutQueue
 from reinforce.core.records_pb2 import Prompt, RolloutGroup, Sample
 from reinforce.core.run_dir import RunPaths
 
@@ -62,6 +71,7 @@ def test_a_reward_that_raises_for_seconds_does_not_end_the_run_and_resume_reads_
     assert skipped, "no step lost all its rewards: the reward did not fail long enough"
     assert all(rows[s - 1]["train_rollouts/rewards"] is None for s in skipped)
     assert_each_step_trained_once(run_dir, STEPS)
+    assert assert_lost_samples_audited(run_dir) >= len(skipped) * 8 * 4  # a skipped step's 8 prompts, 4 samples each
 
     # --resume reads the earlier metrics (rows with nulls among them) before the trainer starts
     last = rows[-1]
@@ -73,29 +83,26 @@ def test_a_reward_that_raises_for_seconds_does_not_end_the_run_and_resume_reads_
     assert "reward" in resumed.stdout and "-> -" in resumed.stdout
 
 
-def _redis_of(run_dir: Path) -> redis.Redis:
-    config = dict(line.split(maxsplit=1) for line in (run_dir / "redis" / "redis.conf").read_text().splitlines())
-    return redis.Redis(host="127.0.0.1", port=int(config["port"]), password=config["requirepass"])
-
-
-def _forge_nan_groups(client: redis.Redis, run: str, k: int) -> int:
+def _forge_nan_groups(client: redis.Redis, queue: RolloutQueue, k: int) -> int:
     """A group of NaN log-probs for every prompt still waiting in the prompts stream (a sampler stopped mid-way
     has not answered them), pushed ahead of the genuine ones."""
     forged = 0
-    for _, fields in client.xrange(f"reinforce:{run}:prompts"):
+    for _, fields in client.xrange(queue.prompts_key):
         prompt = Prompt.FromString(fields[DATA_FIELD])
         samples = [Sample(token_ids=[5, 6], logprobs=[float("nan")] * 2, reward=1.0, is_end=True) for _ in range(k)]
         group = RolloutGroup(prompt_id=prompt.id, step=prompt.step, policy_version=prompt.policy_version,
                              prompt_text=prompt.text, prompt_token_ids=prompt.token_ids, samples=samples)  # fmt: skip
-        client.xadd(f"reinforce:{run}:rollouts", {DATA_FIELD: group.SerializeToString()})
+        client.xadd(queue.rollouts_key, {DATA_FIELD: group.SerializeToString()})
         forged += 1
     return forged
 
 
-def _dead_letter_reasons_while_running(proc, client: redis.Redis, timeout_s: float = 120) -> list[str]:
+def _dead_letter_reasons_while_running(
+    proc, client: redis.Redis, queue: RolloutQueue, timeout_s: float = 120
+) -> list[str]:
     """The dead-letter stream's reasons once it has one (the run's Redis stops with the run)."""
-    deadline = time.monotonic() + timeout_s
-    while not (letters := client.xrange("reinforce:tiny:deadletter")):
+    deadline = time.monotonic() + 120
+    while not (letters := client.xrange(queue.deadletter_key)):
         assert proc.poll() is None, "the run ended before any group was dead-lettered"
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -117,13 +124,13 @@ def test_a_nan_logprob_group_in_asynchronous_mode_is_dead_lettered_and_nothing_p
     proc = start("run", str(spec))
     wait_for_step(proc, run_dir, 4)
     [generator] = service_pids(run_dir, "reinforce.generator")
-    client = _redis_of(run_dir)
+    client, queue = run_queue(run_dir)
     os.kill(generator, signal.SIGSTOP)
     try:
-        assert _forge_nan_groups(client, "tiny", k=4) > 0
+        assert _forge_nan_groups(client, queue, k=4) > 0
     finally:
         os.kill(generator, signal.SIGCONT)
-    reasons = _dead_letter_reasons_while_running(proc, client)
+    reasons = _dead_letter_reasons_while_running(proc, client, queue)
     assert any("a log-prob that is NaN" in r for r in reasons), reasons
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]

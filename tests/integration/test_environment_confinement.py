@@ -1,8 +1,9 @@
 """The environment service under the confinement its pod gets (issue #24), emulated on this machine: the settings are
 read from the Deployment the operator renders (operator/children.py), then applied to a real environment service
 process the way a container runtime applies them: a read-only root file system (a private mount namespace whose root
-is remounted read-only), a tmpfs of the scratch emptyDir's size at its mount path, the pod's non-root user, every
-capability dropped, no privilege escalation (no_new_privs), and only the container's environment. In such a pod
+is remounted read-only), a PID namespace of its own (the service is PID 1, as a container's command is), a tmpfs of
+the scratch emptyDir's size at its mount path, the pod's non-root user, every capability dropped, no privilege
+escalation (no_new_privs), and only the container's environment. In such a pod
 `unshare` is refused (the restricted seccomp profile), so the sandbox runs without namespaces (`none`); here `unshare`
 is left off the service's PATH for the same result.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -94,8 +96,12 @@ def confined_service(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
     mounts = f"mount -o remount,bind,ro / && mount -t tmpfs -o size={SCRATCH_SIZE.removesuffix('i')},mode=1777 tmpfs"
     shell = f"{mounts} {scratch} && exec " + " ".join([*env, *drop, *command])
     log = (tmp_path / "environment.log").open("wb")
-    process = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
-                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    # sh is PID 1 of the new PID namespace and execs the service, which stays PID 1 (unconfined_refusal lets isolation
+    # none run there only); unshare ignores SIGTERM while it waits, so the stop signal goes to the session
+    unshare = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    process = subprocess.Popen(
+        [*unshare, "sh", "-c", shell], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -105,7 +111,7 @@ def confined_service(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
             time.sleep(0.2)
         yield url, token, tmp_path / "environment.log"
     finally:
-        process.terminate()
+        os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
         log.close()
         shutil.rmtree(config_map)

@@ -283,6 +283,7 @@ class Trainer:
         if self.ranks.is_reader:
             self.queue.ack_rollouts(entry_ids)
         indices = self.ranks.gather_ints([prompt_index(g) for g in groups], len(groups))
+        dropped = self.ranks.gather_ints([int((~keep).sum()) for keep in batch.keep], len(groups))
         values.update(self.rollout_stats(batch, rollout_time, trained))
         values.update(self.feeder.trained(trained))
         filtered = self.group_filter.take(trained) if self.group_filter is not None else []
@@ -297,6 +298,8 @@ class Trainer:
         audit = {"step": self.step, "prompt_ids": trained_ids}
         if self.group_filter is not None:
             audit["filtered_prompt_ids"] = filtered  # acknowledged, never trained (dynamic sampling)
+        if lost := {f"{trained}-{i}": n for i, n in zip(indices, dropped, strict=True) if n}:
+            audit["nonfinite_reward_samples"] = lost  # prompt id: its samples left out for a NaN or infinite reward
         _append_jsonl(self.paths.trained_groups, audit)
         self.record(self.step, values)
         log.info(
