@@ -192,7 +192,7 @@ LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
 
 
 class AlgorithmSpec(_Section):
-    """REINFORCE or PPO, with a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
+    """REINFORCE or PPO, with a KL penalty to the reference (docs/algorithms.md; NeMo-Aligner names)."""
 
     name: AlgorithmName = Field(
         "reinforce",
