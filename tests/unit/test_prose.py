@@ -4,16 +4,18 @@ measurements and say what a field does on Kubernetes where that differs (issue 2
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from generate.chart_values import ChartValues
 from reinforce.core.spec import RunSpec, reference_rows
-from reinforce.operator.resource import ReinforceRunSpec
+from reinforce.operator.resource import KubernetesSpec, PodSpec, ReinforceRunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "services" / "reinforce"
@@ -105,6 +107,21 @@ def test_the_scans_see_package_paths_and_markdown_names() -> None:
     assert not exists("core/engine_choice.py")
     assert not markdown_exists("DESIGN.md")
     assert not MARKDOWN_NAME.search("document.querySelector('input.md-search__input')")
+
+
+def test_the_security_page_states_the_crds_components_and_size() -> None:
+    """Why the CRD does not embed the PodTemplateSpec schema: per component, against the CRD's own size as JSON (what
+    `kubectl apply`'s annotation holds); both drift as the spec grows."""
+    text = (ROOT / "docs" / "kubernetes" / "security.md").read_text()
+    components = [name for name, field in KubernetesSpec.model_fields.items() if field.annotation is PodSpec]
+    listed = re.search(r"Each component \(([^)]*)\) takes", text).group(1)
+    assert re.findall(r"`(?:kubernetes\.)?(\w+)`", listed) == components
+    count = re.search(r"\((\w+) components: ", text).group(1)
+    assert count == ["one", "two", "three", "four", "five", "six", "seven", "eight"][len(components) - 1]
+    crd = yaml.safe_load((ROOT / "charts" / "reinforce" / "crds" / "reinforceruns.yaml").read_text())
+    kilobytes = len(json.dumps(crd, separators=(",", ":"))) / 1000
+    stated = int(re.search(r"this CRD's (\d+) KB as JSON", text).group(1))
+    assert abs(stated - kilobytes) < 0.1 * kilobytes, f"the CRD is {kilobytes:.0f} KB as JSON, the page says {stated}"
 
 
 def make_targets() -> list[str]:
