@@ -1,11 +1,13 @@
 """The documentation site's generated parts (docs/): the spec, ReinforceRun, operator, chart-value and metric
-reference tables, the CLI and CRD pages, and each algorithm's formulas beside the code that computes them.
+reference tables, the CLI and CRD pages, each algorithm's formulas beside the code that computes them, and the
+repository's layout from its modules' docstrings.
 
 A page of prose holds a generated block between `<!-- generated:NAME -->` and `<!-- end:NAME -->`; a page that is
 wholly generated (the CLI, the CRD) is written whole. Both are compared with the committed files by the drift test.
 """
 
 import argparse
+import ast
 import inspect
 import re
 import sys
@@ -142,6 +144,46 @@ def estimators_markdown() -> str:
     return "\n\n".join(parts)
 
 
+# The layout table (docs/concepts.md): a row per package (its __init__.py's docstring) and per module (its own), each
+# the first sentence of the docstring's first paragraph. Paths in the package are written from services/reinforce/,
+# as the code's own prose writes them (`core/spec.py`).
+PACKAGE = ROOT / "services" / "reinforce"
+LAYOUT_FOLDERS = [PACKAGE, ROOT / "benchmarks", ROOT / "scripts"]
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(])")
+
+
+def first_sentence(path: Path) -> str | None:
+    """The first sentence of a module's docstring (of its first paragraph, unwrapped); None without a docstring."""
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    if not docstring:
+        return None
+    return SENTENCE_END.split(" ".join(docstring.split("\n\n")[0].split()))[0]
+
+
+def layout_path(path: Path) -> str:
+    return str(path.relative_to(PACKAGE if path.is_relative_to(PACKAGE) and path.is_file() else ROOT))
+
+
+def layout_sentence(path: Path) -> str:
+    sentence = first_sentence(path)
+    if sentence is None:
+        sys.exit(f"{path.relative_to(ROOT)} has no docstring: its first sentence is its row of docs/concepts.md")
+    return sentence
+
+
+def layout_markdown() -> str:
+    """Every package and module of the layout's folders (a package's __main__.py only where it has a docstring)."""
+    rows = ["| path | what it is |", "| --- | --- |"]
+    for top in LAYOUT_FOLDERS:
+        for folder in sorted({top, *(p.parent for p in top.rglob("*.py"))}):
+            if (folder / "__init__.py").exists():
+                rows.append(f"| `{layout_path(folder)}/` | {_cell(layout_sentence(folder / '__init__.py'))} |")
+            for module in sorted(p for p in folder.glob("*.py") if p.name != "__init__.py"):
+                if module.name != "__main__.py" or first_sentence(module):
+                    rows.append(f"| `{layout_path(module)}` | {_cell(layout_sentence(module))} |")
+    return "\n".join(rows)
+
+
 SOURCE_CODE = {"estimators"}  # code blocks, shown as they are
 GENERATED: dict[str, tuple[str, Callable[[], str]]] = {
     "spec-reference": ("reference/spec.md", spec_markdown),
@@ -153,6 +195,7 @@ GENERATED: dict[str, tuple[str, Callable[[], str]]] = {
     "alerts": ("reference/metrics.md", alerts_markdown),
     "estimators": ("algorithms.md", estimators_markdown),
     "escapes": ("environments.md", escapes_markdown),
+    "layout": ("concepts.md", layout_markdown),
 }
 
 

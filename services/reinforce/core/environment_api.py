@@ -5,7 +5,7 @@ Shared by the service (which validates every request with these models) and `Env
 drift apart; and the tools' instructions, which the environment's reset answers and prompts carry (`prompt_data`).
 Importing it pulls in pydantic and the spec only.
 
-An episode, as a generator runs it (all /v1 requests with `Authorization: Bearer $REINFORCE_CONTROL_TOKEN`):
+An episode, as a generator runs it (all /v1 requests with `Authorization: Bearer $REINFORCE_ENVIRONMENT_TOKEN`):
     POST   /v1/episodes              {"prompt": "..."}
         -> 201 ResetResponse: episode_id, observation.text (how to call the tools; prompt_data puts it in prompts),
            tools (JSON schemas, for a chat template's `tools=`), max_turns

@@ -35,7 +35,8 @@ COMPONENTS = (
 
 CRITIC_PORT = 5556  # the critic service's default port (NeMo-Aligner's)
 ENVIRONMENT_PORT = 5557  # the environment service's default port
-ENVIRONMENT_TOKEN_ENV = "REINFORCE_ENVIRONMENT_TOKEN"  # its API: it checks it, generators send it
+# its API: it checks it, generators send it, and the reward server when it runs code there (reward.function code_tests)
+ENVIRONMENT_TOKEN_ENV = "REINFORCE_ENVIRONMENT_TOKEN"
 
 # --- the reward model on Triton -------------------------------------------------------------------------------
 REWARD_MODEL = "reward"
@@ -48,8 +49,12 @@ REWARD_OUTPUT = "reward"
 REWARD_FN_FAILED = "reward function failed"
 
 # --- probes ---------------------------------------------------------------------------------------------------
-HEALTH_PATH = "/healthz"  # liveness of the generator's control plane and the operator
-READY_PATH = "/readyz"  # readiness of the generator's control plane and the critic
+# Served by the generator, the critic and the environment service (core/http_kit.py's add_probes): their pods'
+# liveness and readiness probes. READY_PATH is also what `reinforce run` polls until those children are ready, and
+# the trainer's critic client until the critic is. (The operator's own liveness endpoint is kopf's, at the URL its
+# --liveness flag names; the reward server's probes are Triton's, below.)
+HEALTH_PATH = "/healthz"
+READY_PATH = "/readyz"
 METRICS_PATH = "/metrics"
 # The model's readiness, not the server's: Triton's /v2/health/ready answers 200 before the model has loaded.
 REWARD_READY_PATH = f"/v2/models/{REWARD_MODEL}/ready"

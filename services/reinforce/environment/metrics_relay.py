@@ -7,10 +7,12 @@ else (404 for every other path, 502 when the socket does not answer). It holds n
 service too. Run beside the service, on the network, with the socket's volume read-only (compose/tools.yml, profile
 monitoring); the service's container keeps `network_mode: none`, so the code its tools run still reaches no network.
 
-What it relays is capped (MAX_METRICS_BYTES) and timed (TIMEOUT_S): tool code can replace the socket (it may write
-into its folder), and a listener of its own behind the socket must not be able to flood or hang the relay; what
-such a listener answers reaches Prometheus as scraped text, a channel out no wider than a tool's own output, which
-goes to the generators by design.
+What it relays is capped (MAX_METRICS_BYTES) and timed (TIMEOUT_S), whatever answers on the socket: a service that
+hangs must not hang the relay. In docker-compose the tools' code cannot replace the socket: the service binds it as
+root in a root-owned folder before it becomes the user that code runs as (--run-as, docker-compose.yml). Where that
+code may write into the socket's folder (a service started without --run-as, in a folder of its own user), it could
+put a listener of its own there: what that answers reaches Prometheus as scraped text, a channel out no wider than a
+tool's own output, which goes to the generators by design, and the caps keep it from flooding or hanging the relay.
 """
 
 from __future__ import annotations
