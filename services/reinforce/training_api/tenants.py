@@ -165,7 +165,7 @@ class Tenants:
             loss = sum((loss_fn(lp, inputs) for lp, inputs in zip(targets, batch.inputs, strict=True)), torch.zeros(()))
             if not batch.forward_only:
                 loss.backward()
-        return targets, float(loss)
+        return [lp.detach() for lp in targets], float(loss.detach())
 
     def optim_step(self, model_id: str, params: types.AdamParams) -> dict[str, float]:
         """One AdamW step with the request's hyperparameters over the gradients added since the last, then zero
@@ -188,7 +188,9 @@ class Tenants:
         assert self.peft is not None
         adapters = {
             name.removeprefix(PEFT_PREFIX): tensor
-            for name, tensor in get_peft_model_state_dict(self.peft, adapter_name=tenant.adapter).items()
+            for name, tensor in get_peft_model_state_dict(
+                self.peft, adapter_name=tenant.adapter, save_embedding_layers=False
+            ).items()
         }
         state = checkpoint.State(
             self.base_model, tenant.lora, adapters, tenant.optimizer.state_dict()["state"], len(tenant.parameters)
