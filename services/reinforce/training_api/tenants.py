@@ -66,7 +66,7 @@ class Tenants:
         self, base_dir: Path, base_model: str, alpha: float, seed: int, checkpoints: Path, run_id: str
     ) -> None:
         self.base_model = base_model
-        self.base_dir = base_dir  # the base model's Hugging Face folder, its tokenizer's too
+        self.base_dir = base_dir.resolve()  # the base model's folder and its tokenizer's, absolute for any client
         self.alpha = alpha
         self.seed = seed
         self.checkpoints = checkpoints
