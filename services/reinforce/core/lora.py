@@ -13,9 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+
+from reinforce.core.spec import LoraSpec
+
+if TYPE_CHECKING:
+    import peft
 
 LORA_FORMAT = "lora"
 _PARTS = (".lora_A.", ".lora_B.")
@@ -31,6 +37,33 @@ def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             name = name.removeprefix("base_model.model.").replace(".default.", ".")
             out[name] = tensor.detach().clone()
     return out
+
+
+def lora_config(model: torch.nn.Module, lora: LoraSpec) -> peft.LoraConfig:
+    """PEFT's configuration of `lora`'s adapters for `model` (a plain model, not a PEFT-wrapped one): the trainer's
+    single adapter and each tenant's of the training API. ValueError where target_modules names an output layer
+    tied to the input embeddings: the generators merge adapters into the weights, and a tied output layer's weight
+    is the input embedding's."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    output = model.get_output_embeddings()
+    output_names = {name for name, module in model.named_modules() if module is output}
+    if tied and any(t in output_names or t.split(".")[-1] in output_names for t in lora.target_modules):
+        raise ValueError(
+            f"training.lora.target_modules names the output layer {sorted(output_names)}, whose weight is tied to the "
+            "input embeddings: leave it out"
+        )
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise RuntimeError("LoRA needs PEFT: pip install 'reinforce-k8s[lora]'") from None
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def adapted_modules(adapters: Mapping[str, object]) -> list[str]:

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from reinforce.core.hardware import bfloat16_is_native
-from reinforce.core.lora import LORA_FORMAT, lora_tensors, merge_into
+from reinforce.core.lora import LORA_FORMAT, lora_config, lora_tensors, merge_into
 from reinforce.core.optim import adamw
 from reinforce.core.policy import load_policy
 from reinforce.core.spec import LoraSpec, TrainingSpec
@@ -249,25 +249,6 @@ def _state_as(obj: object, state: dict) -> Iterator[None]:
 
 
 def _with_lora(model: torch.nn.Module, lora: LoraSpec):  # a peft.PeftModel
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    output = model.get_output_embeddings()
-    output_names = {name for name, module in model.named_modules() if module is output}
-    if tied and any(t in output_names or t.split(".")[-1] in output_names for t in lora.target_modules):
-        # the generators merge adapters into the weights, and a tied output layer's weight is the input embedding's
-        raise ValueError(
-            f"training.lora.target_modules names the output layer {sorted(output_names)}, whose weight is tied to the "
-            "input embeddings: leave it out"
-        )
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise RuntimeError("training.lora needs PEFT: pip install 'reinforce-k8s[lora]'") from None
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+    from peft import get_peft_model  # lora_config has checked that PEFT is installed
+
+    return get_peft_model(model, lora_config(model, lora))

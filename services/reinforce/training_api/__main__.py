@@ -1,0 +1,3 @@
+from reinforce.training_api.main import main
+
+main()

@@ -1,0 +1,244 @@
+"""The training API (services/reinforce/training_api/) as its own process, driven by the real `tinker` SDK
+(tinker==0.38.0, the `api` extra) on a tiny random model: a supervised loop whose held-out loss falls, save_state and
+a client created from it continuing bit for bit, a response lost on the way and retried being applied once, another
+payload under a used seq_id refused with 409, and a method this version does not support refused at once by name.
+docs/training-api.md's loop runs here too."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import stop_process
+
+from reinforce.core.names import LOCAL_HOST
+from reinforce.supervisor.ports import free_port
+
+tinker = pytest.importorskip("tinker", reason="the `api` extra (tinker==0.38.0) is not installed")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "tml-integration-test-key"
+BASE_MODEL = "random_init"  # main.py's name of a random_init policy
+HEADERS = {"X-API-Key": KEY}
+# One sentence per datum, of one pattern; the supervised loop holds the last one out.
+TEXTS = [f"the {animal} sat on the {thing}." for animal in ("cat", "dog", "hen") for thing in ("mat", "rug", "bed")]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> Iterator[str]:
+    """The server's base URL: `python -m reinforce.training_api` on examples/tiny.yaml's model with an untied output
+    layer (so the SDK's default train_unembed=True adapts lm_head)."""
+    folder = tmp_path_factory.mktemp("training-api")
+    spec = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    spec["run_dir"] = str(folder / "run")
+    spec["data"]["prompts"] = str(ROOT / "examples" / spec["data"]["prompts"])
+    spec["policy"]["random_init"]["tie_word_embeddings"] = False
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    port = free_port()
+    env = {**os.environ, "REINFORCE_TRAINING_API_KEY": KEY}
+    command = [sys.executable, "-m", "reinforce.training_api", "--spec", str(folder / "spec.yaml")]
+    command += ["--port", str(port), "--redis-url", redis_server]
+    with (folder / "api.log").open("w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{LOCAL_HOST}:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (folder / "api.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the training API did not answer within 120 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def service(api: str) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=api, api_key=KEY)
+    yield client
+    client.close("success").result()
+
+
+def datum(tokenizer, text: str) -> types.Datum:
+    tokens = tokenizer.encode(text)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def logprobs(training, data: list[types.Datum]) -> list[list[float]]:
+    return [out["logprobs"].tolist() for out in training.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+
+def train(training, data: list[types.Datum], steps: int, lr: float = 1e-2, clip: float = 0.0) -> list[float]:
+    """`steps` of forward_backward + optim_step, each step's submitted before the one before it is awaited. Without
+    clipping (clip 0) a gradient counted twice changes the second and later AdamW steps: clipping would scale it
+    back to the same norm, and AdamW's first step is the same for any scale of the gradient."""
+    losses = []
+    for _ in range(steps):
+        fb = training.forward_backward(data, "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=lr, grad_clip_norm=clip))
+        losses.append(fb.result().metrics["loss:sum"])
+        optim.result()
+    return losses
+
+
+def test_a_supervised_loop_lowers_the_held_out_loss(service: tinker.ServiceClient):
+    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
+    assert training.get_info().lora_rank == 4
+    tokenizer = training.get_tokenizer()  # loaded by the SDK from the folder get_info names
+    data = [datum(tokenizer, text) for text in TEXTS[:-1]]
+    held_out = [datum(tokenizer, TEXTS[-1])]
+    before = training.forward(held_out, "cross_entropy").result()
+    # the loss is the sum over tokens with the client's weights, nothing divided by the server
+    weights = held_out[0].loss_fn_inputs["weights"].tolist()
+    summed = -sum(w * lp for w, lp in zip(weights, before.loss_fn_outputs[0]["logprobs"].tolist(), strict=True))
+    assert before.metrics["loss:sum"] == pytest.approx(summed, rel=1e-5)
+    losses = train(training, data, steps=10, clip=10.0)
+    after = training.forward(held_out, "cross_entropy").result().metrics["loss:sum"]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert after < before.metrics["loss:sum"]
+
+
+def test_save_state_and_a_client_from_it_continue_bit_identically(service: tinker.ServiceClient):
+    first = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
+    data = [datum(first.get_tokenizer(), text) for text in TEXTS]
+    train(first, data, steps=3)
+    saved = first.save_state("after-3").result()
+    assert re.fullmatch(rf"tinker://{re.escape(first.model_id)}/weights/after-3", saved.path)
+    second = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    assert second.model_id != first.model_id
+    assert logprobs(second, data) == logprobs(first, data)
+    # the restored AdamW moments and step count make the next step the same step
+    assert train(second, data, steps=2) == train(first, data, steps=2)
+    assert logprobs(second, data) == logprobs(first, data)
+    weights_only = service.create_training_client_from_state(saved.path).result()
+    train(weights_only, data, steps=2)  # a fresh AdamW from the same weights: another trajectory
+    assert logprobs(weights_only, data) != logprobs(first, data)
+
+
+class DroppingProxy(http.server.ThreadingHTTPServer):
+    """Forwards every request to the API; the response to the `drop_at`-th forward_backward is read from the API
+    and never sent: the client's connection closes, and the SDK sends the request again."""
+
+    def __init__(self, upstream: str, drop_at: int) -> None:
+        self.upstream, self.drop_at, self.forward_backwards = upstream, drop_at, 0
+        super().__init__((LOCAL_HOST, 0), _Forward)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCAL_HOST}:{self.server_address[1]}"
+
+
+class _Forward(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: DroppingProxy
+
+    def do_GET(self) -> None:
+        self._relay()
+
+    def do_POST(self) -> None:
+        self._relay()
+
+    def _relay(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+        answer = httpx.request(
+            self.command, self.server.upstream + self.path, headers=headers, content=body, timeout=60
+        )
+        if self.path == "/api/v1/forward_backward":
+            self.server.forward_backwards += 1
+            if self.server.forward_backwards == self.server.drop_at:
+                self.close_connection = True  # the API has accepted it; its answer is lost
+                return
+        self.send_response(answer.status_code)
+        for name, value in answer.headers.items():
+            if name.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                self.send_header(name, value)
+        self.send_header("content-length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    def log_message(self, *args: object) -> None:
+        """Quiet."""
+
+
+def test_a_retried_request_is_applied_once(api: str, service: tinker.ServiceClient):
+    proxy = DroppingProxy(api, drop_at=2)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxied = tinker.ServiceClient(base_url=proxy.url, api_key=KEY)
+    try:
+        disturbed = proxied.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+        undisturbed = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+        data = [datum(undisturbed.get_tokenizer(), text) for text in TEXTS]
+        assert train(disturbed, data, steps=3) == train(undisturbed, data, steps=3)
+        assert proxy.forward_backwards == 4  # 3 calls, the second sent twice
+        # applied twice, its gradients would have counted double in the second step
+        assert logprobs(disturbed, data) == logprobs(undisturbed, data)
+    finally:
+        proxied.close("success").result()
+        proxy.shutdown()
+
+
+def wait_for(api: str, request_id: str) -> dict:
+    while True:
+        answer = httpx.post(f"{api}/api/v1/retrieve_future", json={"request_id": request_id}, headers=HEADERS)
+        assert answer.status_code == 200, answer.text
+        if answer.json().get("type") != "try_again":
+            return answer.json()
+
+
+def test_another_payload_under_a_used_seq_id_is_refused_naming_both(api: str):
+    post = lambda route, **body: httpx.post(f"{api}/api/v1/{route}", json=body, headers=HEADERS)  # noqa: E731
+    session = post("create_session", tags=[], user_metadata=None, sdk_version="test").json()["session_id"]
+    lora = {"rank": 2}
+    created = post("create_model", session_id=session, model_seq_id=0, base_model=BASE_MODEL, lora_config=lora)
+    model_id = wait_for(api, created.json()["request_id"])["model_id"]
+    step = {"learning_rate": 1e-3, "beta1": 0.9}
+    first = post("optim_step", model_id=model_id, seq_id=1, adam_params=step).json()
+    # the same request again, its fields in another order: parsed, it is the same payload
+    again = post("optim_step", seq_id=1, adam_params=dict(reversed(step.items())), model_id=model_id).json()
+    assert again["request_id"] == first["request_id"]
+    other = post("optim_step", model_id=model_id, seq_id=1, adam_params={**step, "learning_rate": 2e-3})
+    assert other.status_code == 409
+    detail = other.json()["detail"]
+    assert first["request_id"] in detail and "optim_step" in detail and "seq_id 1" in detail
+    assert "metrics" in wait_for(api, first["request_id"])  # applied, once
+
+
+def test_an_unsupported_method_is_refused_at_once_by_name(service: tinker.ServiceClient):
+    start = time.monotonic()
+    with pytest.raises(tinker.BadRequestError, match=r"create_sampling_client.*not supported in this version"):
+        service.create_sampling_client(base_model=BASE_MODEL).result()
+    assert time.monotonic() - start < 10  # refused, not retried for minutes
+
+
+def test_the_docs_loop_runs(api: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    page = (ROOT / "docs" / "training-api.md").read_text()
+    [code] = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+    monkeypatch.setenv("TINKER_BASE_URL", api)
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    exec(compile(code, "docs/training-api.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    losses = [float(line.split()[1]) for line in printed[:10]]
+    assert losses[-1] < losses[0]
+    assert printed[10].startswith("tinker://") and printed[10].endswith("/weights/final")
