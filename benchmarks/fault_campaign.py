@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 import yaml
 from campaign import (
     PROCESS_FAULTS,
+    campaign_env,
     campaign_overrides,
     faulty_reward,
     kinds_for,
@@ -74,7 +75,7 @@ def measure(name: str, faults: int, seed: int) -> dict:
 
         undisturbed = spec_in("undisturbed")
         started = time.monotonic()
-        result = reinforce("run", str(undisturbed), timeout=3600)
+        result = reinforce("run", str(undisturbed), timeout=3600, env=campaign_env())
         assert result.returncode == 0, result.stderr[-3000:]
         undisturbed_s = time.monotonic() - started
         step_s = median_step_s(folder / "undisturbed" / "run")

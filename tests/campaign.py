@@ -76,8 +76,7 @@ class Campaign:
     resumes: int = 0
 
     def start(self, *args: str) -> None:
-        # tests/ on the path: the reward server imports campaign_reward where the spec names it
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+        env = campaign_env()
         with (
             (self.output / f"stdout-{self.resumes}.txt").open("w") as out,
             (self.output / f"stderr-{self.resumes}.txt").open("w") as err,
@@ -123,6 +122,12 @@ class Campaign:
             except (redis.ConnectionError, redis.TimeoutError):
                 assert time.monotonic() < deadline, f"the run's Redis unreachable for {RECOVERY_TIMEOUT_S} s"
                 time.sleep(0.5)
+
+
+def campaign_env() -> dict[str, str]:
+    """This process's environment with tests/ on the path: the reward server imports campaign_reward where the spec
+    names it (CAMPAIGN_REWARD)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
 
 
 def newest_pid(campaign: Campaign, module: str, name: str = "", timeout_s: float = 60) -> int:
