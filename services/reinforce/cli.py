@@ -1,8 +1,8 @@
-"""`reinforce`: the command line. `reinforce run` runs a pipeline locally; `reinforce status`, `reinforce samples`
-and `reinforce generate` answer questions about a run folder (how is it doing, what did the model write, what does
-it say now); `reinforce operator` runs the Kubernetes operator; `reinforce rollout` keeps generators on the latest
-weights where neither runs (docker compose); `reinforce shard-prompts` writes pre-tokenized prompt shards for
-data.loader dali. Each command lives with its service; this only dispatches."""
+"""`reinforce`: the command line. `reinforce run` runs a pipeline locally, `reinforce serve` the Tinker training API;
+`reinforce status`, `reinforce samples` and `reinforce generate` answer questions about a run folder (how is it doing,
+what did the model write, what does it say now); `reinforce operator` runs the Kubernetes operator; `reinforce
+rollout` keeps generators on the latest weights where neither runs (docker compose); `reinforce shard-prompts` writes
+pre-tokenized prompt shards for data.loader dali. Each command lives with its service; this only dispatches."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from reinforce.core.spec import SpecError
 # generator's and the operator's pull in transformers and kopf, seconds a `reinforce status` need not wait).
 COMMANDS = {
     "run": "reinforce.supervisor.main:add_run_command",
+    "serve": "reinforce.supervisor.serve:add_serve_command",
     "status": "reinforce.supervisor.status:add_status_command",
     "samples": "reinforce.supervisor.samples:add_samples_command",
     "generate": "reinforce.generator.answer:add_generate_command",

@@ -21,6 +21,7 @@ from reinforce.core.launch_flags import (
     LaunchFlags,
     RewardFlags,
     TrainerFlags,
+    TrainingApiFlags,
 )
 from reinforce.core.spec import RunSpec
 
@@ -65,6 +66,11 @@ CRITIC = Service(
 ENVIRONMENT = Service(
     "reinforce.environment", EnvironmentFlags, names.READY_PATH, probe_port_flag="port",
     credentials=(names.ENVIRONMENT_TOKEN_ENV,),
+)  # fmt: skip
+# `reinforce serve`'s API (services/reinforce/training_api/), not a part of a run
+TRAINING_API = Service(
+    "reinforce.training_api", TrainingApiFlags, names.READY_PATH, probe_port_flag="port",
+    credentials=(names.REDIS_URL_ENV, names.TRAINING_API_KEY_ENV),
 )  # fmt: skip
 
 

@@ -20,7 +20,14 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Self
 
-from reinforce.core.names import CRITIC_PORT, ENVIRONMENT_PORT, ENVIRONMENT_TOKEN_ENV, LOCAL_HOST, REDIS_URL_ENV
+from reinforce.core.names import (
+    CRITIC_PORT,
+    ENVIRONMENT_PORT,
+    ENVIRONMENT_TOKEN_ENV,
+    LOCAL_HOST,
+    REDIS_URL_ENV,
+    TRAINING_API_PORT,
+)
 
 
 class ShellText(str):
@@ -162,3 +169,10 @@ class EnvironmentFlags(LaunchFlags):
         "folder, where the tools' code, run as UID, cannot replace it (docker-compose)",
         None,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingApiFlags(LaunchFlags):
+    host: str = flag(f"Bind address (default {LOCAL_HOST}).", LOCAL_HOST)
+    port: int = flag(f"Port of the API (default {TRAINING_API_PORT}).", TRAINING_API_PORT)
+    redis_url: str | None = flag(f"redis://[:PASSWORD@]HOST:PORT/DB (default: ${REDIS_URL_ENV})", None, REDIS_URL_ENV)

@@ -35,6 +35,12 @@ COMPONENTS = (
 
 CRITIC_PORT = 5556  # the critic service's default port (NeMo-Aligner's)
 ENVIRONMENT_PORT = 5557  # the environment service's default port
+# The Tinker training API (`reinforce serve`): its clients send the key in X-API-Key; the SDK refuses any key that
+# does not begin with TRAINING_API_KEY_PREFIX before it sends anything.
+COMPONENT_TRAINING_API = "training-api"
+TRAINING_API_PORT = 5558
+TRAINING_API_KEY_ENV = "REINFORCE_TRAINING_API_KEY"
+TRAINING_API_KEY_PREFIX = "tml-"
 # its API: it checks it, generators send it, and the reward server when it runs code there (reward.function code_tests)
 ENVIRONMENT_TOKEN_ENV = "REINFORCE_ENVIRONMENT_TOKEN"
 

@@ -64,6 +64,11 @@ class RunPaths:
         return self.root / "redis"
 
     @property
+    def training_api(self) -> Path:
+        """`reinforce serve`'s folder: its API key (api_key, private) and the tinker:// checkpoints."""
+        return self.root / "training_api"
+
+    @property
     def lock(self) -> Path:
         """Held (flock) by the live supervisor of this folder, and holding its PID."""
         return self.root / "supervisor.lock"

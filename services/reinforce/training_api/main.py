@@ -12,14 +12,13 @@ lists the routes, worker.py how requests are applied, store.py what Redis holds.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import uvicorn
 
-from reinforce.core.launch_flags import LaunchFlags, flag
-from reinforce.core.names import LOCAL_HOST, REDIS_URL_ENV
+from reinforce.core.launch import TRAINING_API
+from reinforce.core.names import TRAINING_API_KEY_ENV, TRAINING_API_KEY_PREFIX
 from reinforce.core.policy import materialize_policy
 from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.spec import LoraSpec, PolicySpec, load_spec
@@ -29,17 +28,6 @@ from reinforce.training_api.store import FutureStore, WorkQueue
 from reinforce.training_api.tenants import Tenants
 from reinforce.training_api.worker import Worker
 
-API_KEY_ENV = "REINFORCE_TRAINING_API_KEY"
-API_KEY_PREFIX = "tml-"  # the SDK refuses any other key before it sends anything
-DEFAULT_PORT = 5558
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainingApiFlags(LaunchFlags):
-    host: str = flag(f"Bind address (default {LOCAL_HOST}).", LOCAL_HOST)
-    port: int = flag(f"Port of the API (default {DEFAULT_PORT}).", DEFAULT_PORT)
-    redis_url: str | None = flag(f"redis://[:PASSWORD@]HOST:PORT/DB (default: ${REDIS_URL_ENV})", None, REDIS_URL_ENV)
-
 
 def base_model_name(policy: PolicySpec) -> str:
     """The name clients pass as base_model: the policy's path, or `random_init` for a tiny random model."""
@@ -47,11 +35,11 @@ def base_model_name(policy: PolicySpec) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = TrainingApiFlags.parser("python -m reinforce.training_api", __doc__.splitlines()[0])
-    spec_file, args = TrainingApiFlags.parse(parser, argv)
-    api_key = os.environ.get(API_KEY_ENV, "")
-    if not api_key.startswith(API_KEY_PREFIX):
-        raise SystemExit(f"${API_KEY_ENV} must hold the API key, which begins with {API_KEY_PREFIX!r}")
+    parser = TRAINING_API.parser(__doc__.splitlines()[0])
+    spec_file, args = TRAINING_API.flags.parse(parser, argv)
+    api_key = os.environ.get(TRAINING_API_KEY_ENV, "")
+    if not api_key.startswith(TRAINING_API_KEY_PREFIX):
+        raise SystemExit(f"${TRAINING_API_KEY_ENV} must hold the API key, beginning with {TRAINING_API_KEY_PREFIX!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s training-api %(levelname)s %(message)s")
     configure_threads()
     spec = load_spec(spec_file)
@@ -59,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     materialize_policy(spec.policy, paths.initial_policy, spec.seed)
     alpha = (spec.training.lora or LoraSpec()).alpha
     tenants = Tenants(
-        paths.initial_policy, base_model_name(spec.policy), alpha, spec.seed, paths.root / "training_api",
+        paths.initial_policy, base_model_name(spec.policy), alpha, spec.seed, paths.training_api,
         ensure_run_id(paths),
     )  # fmt: skip
     queue = WorkQueue(args.redis_url)
