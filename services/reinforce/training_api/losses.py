@@ -22,7 +22,9 @@ same two names (its code is PPO's with s_t for r_t) and states no default: PPO's
 3e-4 / 4e-4 (which are distances from 1 in a length-normalised ratio, and would need other key names). DRO's page
 names `beta` and shows 0.05 as an example, with no default: a dro request without beta is refused rather than
 given a guessed one. GSPO's mean is per datum (a datum is one sequence); a datum whose sequence_ratio_mask marks no
-token has no sequence ratio and fails the request.
+token has no sequence ratio and fails the request. The SDK's Datum also types `clip_low_threshold` and
+`clip_high_threshold` as per-token loss_fn_inputs; no docs page read here says what a per-token threshold means,
+so a datum carrying one is refused ("reads no"), and the thresholds come from loss_fn_config only.
 
 `stable_reinforce` is refused: its objective reads stability information the SDK's sampler records at sampling
 time (SampleRequest.record_stability_info, the datum's provenance spans naming each token's sequence_id), which
