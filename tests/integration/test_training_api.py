@@ -1,7 +1,8 @@
 """The training API (services/reinforce/training_api/) as its own process, driven by the real `tinker` SDK
 (tinker==0.38.0, the `api` extra) on a tiny random model: a supervised loop whose held-out loss falls, save_state and
 a client created from it continuing bit for bit, a response lost on the way and retried being applied once, another
-payload under a used seq_id refused with 409, and a method this version does not support refused at once by name.
+payload under a used seq_id refused with 409, a method this version does not support refused at once by name, and
+the built-in ppo (with loss_fn_config) taking the same step as ppo written client-side for forward_backward_custom.
 docs/training-api.md's loop runs here too."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
 from conftest import stop_process
 
@@ -134,6 +136,51 @@ def test_save_state_and_a_client_from_it_continue_bit_identically(service: tinke
     weights_only = service.create_training_client_from_state(saved.path).result()
     train(weights_only, data, steps=2)  # a fresh AdamW from the same weights: another trajectory
     assert logprobs(weights_only, data) != logprobs(first, data)
+
+
+CLIP = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}  # not the defaults (0.8, 1.2): config must arrive
+
+
+def ppo_by_hand(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO with CLIP's thresholds written client-side, as forward_backward_custom takes a loss."""
+    loss = torch.zeros(())
+    for one, lp in zip(data, logprobs, strict=True):
+        ratio = torch.exp(lp - one.loss_fn_inputs["logprobs"].to_torch())
+        advantages = one.loss_fn_inputs["advantages"].to_torch()
+        clipped = torch.clamp(ratio, CLIP["clip_low_threshold"], CLIP["clip_high_threshold"])
+        loss = loss - torch.min(ratio * advantages, clipped * advantages).sum()
+    return loss, {}
+
+
+def test_ppo_and_the_same_loss_through_forward_backward_custom_take_the_same_step(service: tinker.ServiceClient):
+    """The built-in ppo with loss_fn_config, against ppo written client-side through forward_backward_custom (the
+    SDK's `forward`, then a weighted cross_entropy): the same loss:sum, and the same AdamW step from the same
+    adapter."""
+    builtin = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    custom = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    plain = [datum(builtin.get_tokenizer(), text) for text in TEXTS[:3]]
+    before = logprobs(builtin, plain)
+    assert logprobs(custom, plain) == before
+    data = []
+    for one, lp in zip(plain, before, strict=True):
+        # a sampler 0.3 nats off either way: ratios e^0.3 and e^-0.3, both outside [0.9, 1.1]
+        sampler = [v + (0.3 if t % 2 else -0.3) for t, v in enumerate(lp)]
+        advantages = [1.0 if t % 3 else -1.0 for t in range(len(lp))]
+        inputs = {"target_tokens": one.loss_fn_inputs["target_tokens"], "logprobs": sampler, "advantages": advantages}
+        data.append(types.Datum(model_input=one.model_input, loss_fn_inputs=inputs))
+    fb = builtin.forward_backward(data, "ppo", loss_fn_config=CLIP).result()
+    expected, _ = ppo_by_hand(data, [torch.tensor(lp) for lp in before])
+    assert fb.metrics["loss:sum"] == pytest.approx(expected.item(), rel=1e-5)
+    custom_fb = custom.forward_backward_custom(data, ppo_by_hand).result()
+    assert custom_fb.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-5)
+    step = types.AdamParams(learning_rate=1e-3)
+    builtin.optim_step(step).result()
+    custom.optim_step(step).result()
+    after, custom_after = logprobs(builtin, plain), logprobs(custom, plain)
+    moved = max(abs(a - b) for new, old in zip(after, before, strict=True) for a, b in zip(new, old, strict=True))
+    assert moved > 1e-3  # the step changed the model
+    apart = max(abs(a - b) for x, y in zip(after, custom_after, strict=True) for a, b in zip(x, y, strict=True))
+    assert apart < 1e-3 * moved, (apart, moved)
 
 
 class DroppingProxy(http.server.ThreadingHTTPServer):

@@ -19,12 +19,16 @@ from reinforce.training_api.wire import batch_of, encode_output, parse_forward_b
 VOCAB = 40
 
 
-def sdk_request(loss_fn: str = "cross_entropy", **inputs: list) -> types.ForwardBackwardRequest:
+def sdk_request(
+    loss_fn: str = "cross_entropy", config: dict[str, float | str] | None = None, **inputs: list
+) -> types.ForwardBackwardRequest:
     inputs = inputs or {"target_tokens": [2, 3, 4], "weights": [1.0, 0.0, 1.0]}
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs=inputs)
-    return types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn), model_id="m", seq_id=3
-    )
+    loss_input = types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn, loss_fn_config=config)
+    return types.ForwardBackwardRequest(forward_backward_input=loss_input, model_id="m", seq_id=3)
+
+
+RL = {"target_tokens": [1, 2, 3], "logprobs": [-1.0] * 3, "advantages": [1.0, 0.0, -1.0]}
 
 
 def as_sent(request: types.ForwardBackwardRequest, compress: bool = False) -> bytes:
@@ -46,7 +50,13 @@ def test_a_request_the_sdk_encodes_reads_back(compress: bool):
 @pytest.mark.parametrize(
     ("request_", "named"),
     [
-        (sdk_request("ppo"), "loss_fn 'ppo' is not supported"),
+        (sdk_request("stable_reinforce", **RL), "'stable_reinforce' is not supported in this version: it needs"),
+        (sdk_request("ppo", {"clip_low": 0.9}, **RL), "ppo takes clip_low_threshold, clip_high_threshold, not"),
+        (sdk_request("importance_sampling", {"beta": 0.1}, **RL), "importance_sampling takes no keys"),
+        (sdk_request("dro", **RL), "dro needs 'beta'"),
+        (sdk_request("dro", {"beta": "high"}, **RL), "a number, not the string 'high'"),
+        (sdk_request("ppo", **RL, clip_low_threshold=[0.9] * 3), "ppo reads no ['clip_low_threshold']"),
+        (sdk_request("gspo", **RL), "needs 'sequence_ratio_mask'"),
         (sdk_request(target_tokens=[2, 3, 4]), "needs 'weights'"),
         (sdk_request(target_tokens=[2, 3], weights=[1.0, 1.0]), "loss_fn_inputs['target_tokens']: (2,) values for 3"),
         (sdk_request(target_tokens=[2, 3, 99], weights=[1.0] * 3), "outside 0..39"),
@@ -58,6 +68,16 @@ def test_what_cannot_be_computed_is_refused_naming_the_field(request_: types.For
     with pytest.raises(ValueError, match=r"data\[0\]|loss_fn") as refused:
         batch_of(to_request(message), False, VOCAB)
     assert named in str(refused.value)
+
+
+def test_loss_fn_config_reaches_the_loss_as_one_value_at_every_token():
+    """The SDK writes loss_fn_config to the protobuf's v2 map (and floats to the legacy one); a key the client
+    leaves out takes the loss's default."""
+    message = parse_forward_backward(as_sent(sdk_request("ppo", {"clip_high_threshold": 1.5}, **RL)), None)
+    inputs = batch_of(to_request(message), False, VOCAB).inputs[0]
+    assert inputs["clip_high_threshold"].tolist() == [1.5] * 3
+    assert inputs["clip_low_threshold"].tolist() == pytest.approx([0.8] * 3)  # the default, 1 - 0.2
+    assert inputs["clip_low_threshold"].dtype == torch.float32
 
 
 def test_payloads_compare_parsed_not_as_bytes():

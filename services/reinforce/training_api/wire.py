@@ -20,7 +20,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 from tinker.proto.response_conv import _tensor_data_from_proto
 
-from reinforce.training_api.losses import LOSSES
+from reinforce.training_api.losses import LOSSES, REFUSED, config_of
 
 PROTOBUF = "application/x-protobuf"
 
@@ -68,7 +68,8 @@ def to_request(message: public_pb.ForwardBackwardRequest) -> types.ForwardBackwa
 @dataclass(frozen=True)
 class Batch:
     """One forward_backward request, checked: each datum's input tokens, its loss inputs as tensors of the same
-    length (target_tokens int64, the others float32), and the loss."""
+    length (target_tokens int64, the others float32; each loss_fn_config value too, as that value at every token),
+    and the loss."""
 
     loss_fn: str
     tokens: list[list[int]]
@@ -80,11 +81,11 @@ def batch_of(request: types.ForwardBackwardRequest, forward_only: bool, vocab_si
     """ValueError naming the field (and the datum) that this server cannot compute."""
     loss_input = request.forward_backward_input
     if loss_input.loss_fn not in LOSSES:
+        why = f": {REFUSED[loss_input.loss_fn]}" if loss_input.loss_fn in REFUSED else ""
         raise ValueError(
-            f"loss_fn {loss_input.loss_fn!r} is not supported in this version (supported: {', '.join(LOSSES)})"
+            f"loss_fn {loss_input.loss_fn!r} is not supported in this version{why} (supported: {', '.join(LOSSES)})"
         )
-    if loss_input.loss_fn_config:
-        raise ValueError(f"loss_fn_config: {loss_input.loss_fn} takes none, got {sorted(loss_input.loss_fn_config)}")
+    config = config_of(loss_input.loss_fn, loss_input.loss_fn_config or {})
     if not loss_input.data:
         raise ValueError("data: no datum")
     _, needed = LOSSES[loss_input.loss_fn]
@@ -112,6 +113,8 @@ def batch_of(request: types.ForwardBackwardRequest, forward_only: bool, vocab_si
             raise ValueError(f"data[{index}].loss_fn_inputs['target_tokens']: a token outside 0..{vocab_size - 1}")
         if extra := sorted(set(datum.loss_fn_inputs) - set(tensors)):
             raise ValueError(f"data[{index}].loss_fn_inputs: {loss_input.loss_fn} reads no {extra}")
+        # each loss_fn_config value as the loss reads it: that one value at every token
+        tensors.update({key: torch.full((len(ids),), value) for key, value in config.items()})
         tokens.append(ids)
         inputs.append(tensors)
     return Batch(loss_input.loss_fn, tokens, inputs, forward_only)
