@@ -294,6 +294,9 @@ def test_num_samples_and_a_stop_sequence_hold(service: tinker.ServiceClient):
     assert [len(seq.tokens) for seq in unstopped] == [30, 30]
     greedy = sample(sampler, prompt, n=2, max_tokens=8, temperature=0.0)
     assert greedy[0].tokens == greedy[1].tokens
+    # a new adapter (B = 0) is the base model: a sampling client of the base alone draws the same tokens
+    base = service.create_sampling_client(base_model=BASE_MODEL).result()
+    assert [s.tokens for s in sample(base, prompt, n=5, max_tokens=30, seed=3, stop=" ")] == [s.tokens for s in stopped]
 
 
 def test_a_snapshot_samples_as_it_was_while_training_goes_on(service: tinker.ServiceClient):

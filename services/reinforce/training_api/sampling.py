@@ -182,6 +182,10 @@ def draw(logits: torch.Tensor, params: types.SamplingParams, generator: torch.Ge
     return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
+def stopped_by_string(tokens: list[int], stops: Stops, tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(stops.strings) and any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stops.strings)
+
+
 @dataclass
 class Sequence:
     tokens: list[int]
@@ -204,18 +208,16 @@ def generate(
     prompt_logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
     samples = [Sequence([], []) for _ in range(n)]
     logits = out.logits[:, -1].float()
-    for _ in range(max_tokens):
+    for step in range(max_tokens):
         tokens = draw(logits, params, generator)
         chosen = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         for sample, token, logprob in zip(samples, tokens.tolist(), chosen.tolist(), strict=True):
-            if sample.stop_reason == "length" and len(sample.tokens) < max_tokens:
+            if sample.stop_reason == "length":  # a stopped row is computed on with the batch, its tokens dropped
                 sample.tokens.append(token)
                 sample.logprobs.append(logprob)
-                if token in stops.tokens or any(
-                    s in tokenizer.decode(sample.tokens, skip_special_tokens=True) for s in stops.strings
-                ):
+                if token in stops.tokens or stopped_by_string(sample.tokens, stops, tokenizer):
                     sample.stop_reason = "stop"
-        if all(s.stop_reason == "stop" for s in samples):
+        if step == max_tokens - 1 or all(s.stop_reason == "stop" for s in samples):
             break
         out = model(input_ids=tokens[:, None], past_key_values=out.past_key_values, use_cache=True)
         logits = out.logits[:, -1].float()
