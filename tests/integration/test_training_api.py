@@ -274,8 +274,8 @@ def test_another_payload_under_a_used_seq_id_is_refused_naming_both(api: str):
 
 def test_an_unsupported_method_is_refused_at_once_by_name(service: tinker.ServiceClient):
     start = time.monotonic()
-    with pytest.raises(tinker.BadRequestError, match=r"create_sampling_client.*not supported in this version"):
-        service.create_sampling_client(base_model=BASE_MODEL).result()
+    with pytest.raises(tinker.BadRequestError, match=r"RestClient training-run.*not supported in this version"):
+        service.create_rest_client().list_training_runs().result()
     assert time.monotonic() - start < 10  # refused, not retried for minutes
 
 
@@ -289,3 +289,75 @@ def test_the_docs_loop_runs(api: str, monkeypatch: pytest.MonkeyPatch, capsys: p
     losses = [float(line.split()[1]) for line in printed[:10]]
     assert losses[-1] < losses[0]
     assert printed[10].startswith("tinker://") and printed[10].endswith("/weights/final")
+
+
+PROMPT = "the cat"
+
+
+def sample(sampler, prompt: list[int], n: int = 1, **params) -> list[types.SampledSequence]:
+    return sampler.sample(types.ModelInput.from_ints(prompt), n, types.SamplingParams(**params)).result().sequences
+
+
+def test_samples_with_a_seed_repeat_and_their_log_probs_are_forwards(service: tinker.ServiceClient):
+    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=4).result()
+    tokenizer = training.get_tokenizer()
+    train(training, [datum(tokenizer, text) for text in TEXTS], steps=2)
+    saved = training.save_weights_for_sampler("two-steps").result()
+    assert saved.path == f"tinker://{training.model_id}/sampler_weights/two-steps"
+    sampler = service.create_sampling_client(model_path=saved.path)
+    prompt = tokenizer.encode(PROMPT)
+    first = sample(sampler, prompt, n=3, max_tokens=12, seed=11, temperature=1.0)
+    assert [s.tokens for s in sample(sampler, prompt, n=3, max_tokens=12, seed=11)] == [s.tokens for s in first]
+    assert len(first) == 3 and len({tuple(s.tokens) for s in first}) > 1  # three draws, not one repeated
+    assert len({s.sequence_id for s in first}) == 3
+    # each sampled token's log-prob is the training client's forward of the same tokens (both fp32)
+    for seq in first:
+        full = prompt + seq.tokens
+        data = [types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+        )]  # fmt: skip
+        [forward] = logprobs(training, data)
+        assert seq.logprobs == pytest.approx(forward[len(prompt) - 1 :], abs=1e-5)
+        assert forward[: len(prompt) - 1] == pytest.approx(
+            sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:], abs=1e-5
+        )
+
+
+def test_num_samples_and_a_stop_sequence_hold(service: tinker.ServiceClient):
+    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    prompt = training.get_tokenizer().encode(PROMPT)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    space = training.get_tokenizer().encode(" ")[-1]  # after the BOS it begins with
+    stopped = sample(sampler, prompt, n=5, max_tokens=30, seed=3, stop=" ")
+    assert len(stopped) == 5
+    for seq in stopped:
+        # a random model: a sample stops at its first space or runs to max_tokens
+        assert (seq.stop_reason, seq.tokens.count(space)) in {("stop", 1), ("length", 0)}
+        assert seq.stop_reason == "length" or seq.tokens[-1] == space
+        assert len(seq.tokens) <= 30
+    assert any(seq.stop_reason == "stop" for seq in stopped)
+    unstopped = sample(sampler, prompt, n=2, max_tokens=30, seed=3, stop=[])
+    assert [len(seq.tokens) for seq in unstopped] == [30, 30]
+    greedy = sample(sampler, prompt, n=2, max_tokens=8, temperature=0.0)
+    assert greedy[0].tokens == greedy[1].tokens
+    # a new adapter (B = 0) is the base model: a sampling client of the base alone draws the same tokens
+    base = service.create_sampling_client(base_model=BASE_MODEL).result()
+    assert [s.tokens for s in sample(base, prompt, n=5, max_tokens=30, seed=3, stop=" ")] == [s.tokens for s in stopped]
+
+
+def test_a_snapshot_samples_as_it_was_while_training_goes_on(service: tinker.ServiceClient):
+    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=6).result()
+    tokenizer = training.get_tokenizer()
+    prompt = tokenizer.encode(PROMPT)
+    before = training.save_weights_and_get_sampling_client().result()
+    drawn = [s.tokens for s in sample(before, prompt, n=4, max_tokens=10, seed=9)]
+    train(training, [datum(tokenizer, text) for text in TEXTS], steps=3, lr=5e-2)
+    assert [s.tokens for s in sample(before, prompt, n=4, max_tokens=10, seed=9)] == drawn
+    after = training.save_weights_and_get_sampling_client().result()
+    assert [s.tokens for s in sample(after, prompt, n=4, max_tokens=10, seed=9)] != drawn
+    # the prompt's log-probs under each snapshot: the old one's unchanged, the new one's the trained model's
+    [now] = logprobs(training, [datum(tokenizer, PROMPT)])
+    scored = types.ModelInput.from_ints(prompt)
+    assert after.compute_logprobs(scored).result()[1:] == pytest.approx(now, abs=1e-5)
+    assert before.compute_logprobs(scored).result()[1:] != pytest.approx(now, abs=1e-3)

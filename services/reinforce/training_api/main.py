@@ -23,6 +23,7 @@ from reinforce.core.policy import materialize_policy
 from reinforce.core.run_dir import RunPaths, ensure_run_id
 from reinforce.core.spec import LoraSpec, PolicySpec, load_spec
 from reinforce.core.threads import configure_threads
+from reinforce.training_api import sampling
 from reinforce.training_api.server import create_app
 from reinforce.training_api.store import FutureStore, WorkQueue
 from reinforce.training_api.tenants import Tenants
@@ -55,5 +56,5 @@ def main(argv: list[str] | None = None) -> None:
         logging.warning("failed %d requests a previous process accepted and did not finish", abandoned)
     Worker(tenants, queue).start()
     # The port opens once the base model is loaded: answering means ready.
-    app = create_app(tenants, FutureStore(args.redis_url), api_key)
+    app = create_app(tenants, FutureStore(args.redis_url), api_key, extensions=[sampling.routes])
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -6,7 +6,7 @@ own pydantic types (tinker/types), forward_backward as its protobuf (wire.py).
     POST /api/v1/client/dynamic_config     404, which the SDK takes as "no dynamic flags"
     POST /api/v1/create_session            a session id; /api/v1/session_heartbeat keeps it (404 unknown, 410 finished)
     POST /api/v1/sessions/ID/finish        the session ends (ServiceClient.close)
-    GET  /api/v1/get_server_capabilities   the one base model, trainable, not sampleable here
+    GET  /api/v1/get_server_capabilities   the one base model, trainable and sampleable
     POST /api/v1/create_model              a future: a LoRA model `SESSION:train:N` (tenants.py)
     POST /api/v1/get_info                  the base model's name and its tokenizer's folder (get_tokenizer loads it)
     POST /api/v1/forward_backward          a future (protobuf body; forward_only for `forward`)
@@ -15,6 +15,8 @@ own pydantic types (tinker/types), forward_backward as its protobuf (wire.py).
     POST /api/v1/retrieve_future           a long poll: the result, {"type": "try_again", ...} while pending, or
                                            {"error": ..., "category": ...} for a failed request
     POST /api/v1/telemetry                 {"status": "accepted"} (not kept)
+    ...  the routes of each extension main.py passes: sampling.py's (save_weights_for_sampler, sampling sessions,
+         asample)
 
 Every other route is refused at once with 400, a body naming the SDK method that calls it and saying this version
 does not support it, and `x-should-retry: false`: the SDK retries 408, 409, 429 and 5xx (and a 400 without a
@@ -26,9 +28,10 @@ Every /api/v1 route but healthz needs the API key in `X-API-Key`.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry
@@ -50,11 +53,8 @@ MAX_BODY_BYTES = 64 * 2**20
 
 # The SDK methods behind each route this version refuses, for the refusal's message.
 UNSUPPORTED = {
-    "asample": "SamplingClient.sample / sample_async / compute_logprobs",
-    "retrieve_futures": "SamplingClient (session poller)",
-    "create_sampling_session": "ServiceClient.create_sampling_client / TrainingClient.create_sampling_client",
+    "retrieve_futures": "SamplingClient's session poller (client/config leaves it off)",
     "join_sampling_session": "SamplingClient (unpickled clone)",
-    "save_weights_for_sampler": "TrainingClient.save_weights_for_sampler / save_weights_and_get_sampling_client",
     "save_weights_external": "TrainingClient.save_weights_external",
     "create_custom_loss": "ServiceClient.create_custom_loss",
     "copy_weights": "ServiceClient.copy_weights",
@@ -65,7 +65,6 @@ UNSUPPORTED = {
     "training_runs": "RestClient training-run and checkpoint methods",
     "checkpoints": "RestClient.list_user_checkpoints",
     "sessions": "RestClient session methods",
-    "samplers": "RestClient.get_sampler / SamplingClient",
     "audit": "AdminClient audit methods",
     "billing": "AdminClient billing methods",
 }
@@ -119,7 +118,12 @@ def future(request_id: str, model_id: str) -> dict:
     return types.UntypedAPIFuture(request_id=request_id, model_id=model_id).model_dump(exclude_none=True)
 
 
-def create_app(tenants: Tenants, store: FutureStore, api_key: str) -> FastAPI:
+Accept = Callable[[str, int | None, str, bytes, str, BaseModel | Message], Awaitable[dict]]
+# Routes built on this module's helpers and the server's `accept` (which they cannot import: they import this).
+Extension = Callable[[Tenants, FutureStore, Accept], APIRouter]
+
+
+def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: Sequence[Extension] = ()) -> FastAPI:
     app = FastAPI(title="reinforce training API (Tinker)")
     registry = CollectorRegistry()
     count_requests(app, RequestMetrics("training_api", registry))
@@ -197,7 +201,7 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str) -> FastAPI:
     async def get_server_capabilities() -> dict:
         model = SupportedModel(
             model_name=tenants.base_model, max_context_length=tenants.max_context_length, trainable=True,
-            sampleable=False,
+            sampleable=True,
         )  # fmt: skip
         return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump()
 
@@ -299,6 +303,9 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str) -> FastAPI:
     @app.post(f"{API}/telemetry", dependencies=keyed)
     async def telemetry() -> dict:
         return types.TelemetryResponse(status="accepted").model_dump()
+
+    for extension in extensions:  # before the catch-all below, which would answer their routes
+        app.include_router(extension(tenants, store, accept), dependencies=keyed)
 
     @app.api_route(f"{API}/{{route:path}}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], dependencies=keyed)
     async def everything_else(route: str) -> JSONResponse:

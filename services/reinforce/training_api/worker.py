@@ -15,6 +15,8 @@ import threading
 
 from tinker import types
 
+from reinforce.training_api.sampling import KINDS as SAMPLING_KINDS
+from reinforce.training_api.sampling import Sampler
 from reinforce.training_api.store import Stored, WorkQueue
 from reinforce.training_api.tenants import Tenants
 from reinforce.training_api.wire import batch_of, encode_output, parse_forward_backward, to_request
@@ -22,8 +24,10 @@ from reinforce.training_api.wire import batch_of, encode_output, parse_forward_b
 log = logging.getLogger(__name__)
 
 
-def apply(tenants: Tenants, request: Stored) -> tuple[bytes, str]:
+def apply(tenants: Tenants, sampler: Sampler, request: Stored) -> tuple[bytes, str]:
     """(result, result_type) of one accepted request; ValueError where the client's request cannot be applied."""
+    if request.kind in SAMPLING_KINDS:
+        return sampler.apply(request)
     if request.kind == "forward_backward":
         message = parse_forward_backward(request.body, request.encoding or None)
         batch = batch_of(to_request(message), message.forward_only, tenants.vocab_size)
@@ -56,6 +60,7 @@ class Worker(threading.Thread):
     def __init__(self, tenants: Tenants, queue: WorkQueue) -> None:
         super().__init__(name="training-api-worker", daemon=True)
         self.tenants = tenants
+        self.sampler = Sampler(tenants)  # shares the tenants' model, so it runs on this thread only
         self.queue = queue
         self.stopping = threading.Event()
 
@@ -65,7 +70,7 @@ class Worker(threading.Thread):
             if request is None:
                 continue
             try:
-                result, result_type = apply(self.tenants, request)
+                result, result_type = apply(self.tenants, self.sampler, request)
             except ValueError as err:
                 self.queue.fail(request.request_id, str(err), "user")
             except Exception as err:  # a bug or a broken machine: the client hears of it, the log has the trace
