@@ -6,7 +6,8 @@ against the real training API: which ones it supports and which it refuses (at o
 The table is docs/training-api.md's block `compatibility`; tests/integration/test_training_api_compatibility.py
 calls them all again and fails if the table differs, if a method is left out, if a call hangs, or if a refusal does
 not name what it refuses. A method's `_async` twin is called too (awaited), with the same arguments. "supported"
-means it returned; "refused" gives the first line of the error the SDK raised.
+means it returned; "refused by the server" gives the status and the first sentence of its answer, "refused by the SDK"
+the SDK's own check that stopped the call before it sent anything.
 """
 
 from __future__ import annotations
@@ -51,15 +52,16 @@ NOT_CALLED = {
 class Row:
     client: str
     method: str
-    outcome: str  # "supported", "refused: ...", "hangs", or "not called: ..."
+    outcome: str  # "supported", "refused by the server (STATUS): ...", "refused by the SDK: ...", "hangs", "not called"
 
     @property
     def answered(self) -> bool:
-        """Supported, refused naming what it refuses (the method, its client or the request), or not a request."""
-        if self.outcome == "supported" or self.outcome.startswith("not called"):
+        """Supported; refused by the server naming what it refuses (the method, its client or the route); refused
+        by the SDK before it sent anything; or not a request. Never a hang."""
+        if self.outcome == "supported" or self.outcome.startswith(("not called", "refused by the SDK")):
             return True
-        words = (self.method.removesuffix("_async"), self.client)
-        return self.outcome.startswith("refused") and any(w.lower() in self.outcome.lower() for w in words)
+        words = (self.method.removesuffix("_async"), self.client, "no such")
+        return self.outcome.startswith("refused by the server") and any(w in self.outcome for w in words)
 
 
 # (object, args, kwargs) for a method; the object and the arguments are made when it is called.
@@ -83,6 +85,7 @@ class Clients:
             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
         )
         self.state = self.training.save_state(self.name()).result().path
+        self.external = f"tinker://{self.training.model_id}/external_weights/none"  # the only kind the SDK sends
         self._sampling: tinker.SamplingClient | None = None
 
     def name(self) -> str:
@@ -93,9 +96,10 @@ class Clients:
             self._sampling = self.training.save_weights_and_get_sampling_client().result()
         return self._sampling
 
-    def other_service(self) -> tinker.ServiceClient:
-        """A client of its own, for `close`: closing the one the other calls use would end their session."""
-        return tinker.ServiceClient(base_url=self.url, api_key=self.key)
+    def other_service(self, **kwargs: Any) -> tinker.ServiceClient:
+        """A client of its own: for `close` (closing the one the other calls use would end their session), and for
+        a project (copy_weights asks for one)."""
+        return tinker.ServiceClient(base_url=self.url, api_key=self.key, **kwargs)
 
     def session_id(self) -> str:
         return self.service.holder.get_session_id()
@@ -104,10 +108,9 @@ class Clients:
         s, t, r = self.service, self.training, self.rest
         adam = types.AdamParams(learning_rate=1e-3)
         return {
-            # a client of its own: closing the one the other calls use would end their session
             ("ServiceClient", "close"): lambda: (self.other_service(), ("success",), {}),
-            ("ServiceClient", "copy_weights"): lambda: (s, (self.state,), {}),
-            ("ServiceClient", "create_custom_loss"): lambda: (s, (lambda *_: 0.0, {}), {}),
+            ("ServiceClient", "copy_weights"): lambda: (self.other_service(project_id="project"), (self.state,), {}),
+            ("ServiceClient", "create_custom_loss"): lambda: (s, (summed_logprobs_per_datum, {"logprobs": 1}), {}),
             ("ServiceClient", "create_lora_training_client"): lambda: (
                 s,
                 (),
@@ -155,15 +158,15 @@ class Clients:
                 {},
             ),
             ("RestClient", "assign_session_project"): lambda: (r, (self.session_id(), "project"), {}),
-            ("RestClient", "copy_weights"): lambda: (r, (self.state,), {}),
+            ("RestClient", "copy_weights"): lambda: (r, (self.state, "project"), {}),
             ("RestClient", "delete_checkpoint"): lambda: (r, (t.model_id, "weights/none"), {}),
             ("RestClient", "delete_checkpoint_from_tinker_path"): lambda: (r, (MISSING,), {}),
             ("RestClient", "export_session_trace"): lambda: (r, (self.session_id(),), {}),
             ("RestClient", "get_audit_log"): lambda: (r, (), {}),
             ("RestClient", "get_billing_usage"): lambda: (r, ("2026-01-01", "2026-02-01"), {}),
             ("RestClient", "get_current_checkpoint_storage_usage"): lambda: (r, (), {}),
-            ("RestClient", "get_external_weights_urls"): lambda: (r, (self.state,), {}),
-            ("RestClient", "get_sampler"): lambda: (r, ("no-such-session:sample:0",), {}),
+            ("RestClient", "get_external_weights_urls"): lambda: (r, (self.external,), {}),
+            ("RestClient", "get_sampler"): lambda: (r, (self.sampling()._sampling_session_id,), {}),  # no public name
             ("RestClient", "get_server_capabilities"): lambda: (r, (), {}),
             ("RestClient", "get_session"): lambda: (r, (self.session_id(),), {}),
             ("RestClient", "get_telemetry"): lambda: (r, (), {}),
@@ -185,6 +188,11 @@ class Clients:
 def summed_logprobs(_data: list, logprobs: list) -> tuple:
     """A custom loss for forward_backward_custom: minus the summed log-probabilities (cross-entropy's, client-side)."""
     return -sum(lp.sum() for lp in logprobs), {}
+
+
+def summed_logprobs_per_datum(logprobs: Any) -> Any:
+    """A server-side custom loss (create_custom_loss): minus the datum's summed log-probabilities."""
+    return -logprobs.sum()
 
 
 def public_methods() -> list[tuple[str, str]]:
@@ -213,9 +221,22 @@ def outcome(recipe: Recipe, method: str, pool: ThreadPoolExecutor) -> str:
         future.result(CALL_TIMEOUT_S)
     except CallTimeout:
         return "hangs"
-    except Exception as err:  # what the SDK raised, for the table
-        return "refused: " + (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    except tinker.APIStatusError as err:  # the server's answer
+        return f"refused by the server ({err.status_code}): {detail_of(err)}"
+    except Exception as err:  # the SDK's own check, before it sent anything
+        return f"refused by the SDK: {first_sentence(str(err) or type(err).__name__)}"
     return "supported"
+
+
+def detail_of(err: Any) -> str:
+    body = err.body if isinstance(err.body, dict) else {}
+    return first_sentence(str(body.get("detail", err.message)))
+
+
+def first_sentence(text: str) -> str:
+    """Up to the first full stop, a session's random id written SESSION (the table must not change run to run)."""
+    text = re.sub(r"session-[0-9a-f]{32}", "SESSION", text.strip().splitlines()[0])
+    return text.split(". ")[0].removesuffix(".")
 
 
 def measure(url: str, key: str) -> list[Row]:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -51,10 +52,16 @@ class Served:
         return self.proc.wait(60), self.proc.stderr.read()
 
 
-def test_serve_prints_the_sdks_settings_restarts_a_killed_api_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path)
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    served = Served(write_spec(tmp_path))
+    yield served
+    if served.proc.poll() is None:  # the test failed before its Ctrl-C: stop the server and its children
+        served.interrupt()
+
+
+def test_serve_prints_the_sdks_settings_restarts_a_killed_api_and_stops_on_ctrl_c(tmp_path: Path, served: Served):
     run_dir = tmp_path / "run"
-    served = Served(spec)
     url, key = served.wait_for_exports()
     key_file = run_dir / "training_api" / "api_key"
     assert key.startswith(TRAINING_API_KEY_PREFIX) and key_file.read_text() == key
