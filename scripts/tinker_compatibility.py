@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import re
 import signal
 import subprocess
@@ -28,6 +29,10 @@ from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import Any
+
+# The SDK's SamplingClient.get_tokenizer looks its base model's name up on the Hub; offline, huggingface_hub would
+# retry for about 25 s before it gives up. Set before tinker (and so huggingface_hub) is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import tinker
 import yaml

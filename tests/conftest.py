@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -16,6 +17,10 @@ from reinforce.supervisor.ports import free_port
 
 if TYPE_CHECKING:
     from runs import FinishedRun
+
+# The tests need nothing from the Hugging Face Hub (CI has no network): a lookup fails at once instead of after
+# huggingface_hub's retries. Set before anything imports huggingface_hub, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

@@ -65,8 +65,8 @@ UNSUPPORTED = {
     "training_runs": "RestClient training-run and checkpoint methods",
     "checkpoints": "RestClient.list_user_checkpoints",
     "sessions": "RestClient session methods",
-    "audit": "AdminClient audit methods",
-    "billing": "AdminClient billing methods",
+    "audit": "RestClient audit methods",
+    "billing": "RestClient billing and storage-usage methods",
 }
 
 
