@@ -27,14 +27,23 @@ pytestmark = pytest.mark.slow
 EXPORTS = re.compile(r"^export TINKER_BASE_URL=(?P<url>\S+)\nexport TINKER_API_KEY=(?P<key>\S+)$", re.MULTILINE)
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Served:
-    """A `reinforce serve` in the background, its stdout read as it comes."""
+    """A `reinforce serve` started as a shell starts a background job (SIGINT ignored, which Python keeps unless the
+    program sets its own handler), its stdout and stderr read as they come (a full pipe would block it)."""
 
     def __init__(self, spec: Path) -> None:
         argv = [sys.executable, "-m", "reinforce", "serve", str(spec)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.stdout, self.exports = "", threading.Event()
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint
+        )
+        self.stdout, self.stderr, self.exports = "", "", threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
+        self.stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self.stderr_reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -42,14 +51,20 @@ class Served:
             if EXPORTS.search(self.stdout):
                 self.exports.set()
 
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr += line
+
     def wait_for_exports(self) -> tuple[str, str]:
-        assert self.exports.wait(180), f"no exports printed:\n{self.stdout}\n{self.proc.stderr.read()[-3000:]}"
+        assert self.exports.wait(180), f"no exports printed:\n{self.stdout}\n{self.stderr[-3000:]}"
         found = EXPORTS.search(self.stdout)
         return found["url"], found["key"]
 
     def interrupt(self) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(60), self.proc.stderr.read()
+        code = self.proc.wait(60)
+        self.stderr_reader.join(10)
+        return code, self.stderr
 
 
 @pytest.fixture

@@ -167,7 +167,7 @@ def _check_packages(spec: RunSpec, spec_file: Path) -> None:
 def _supervise(spec: RunSpec, paths: RunPaths) -> int:
     """Run the pipeline to its end, recording the outcome; every child is stopped whatever happens."""
     supervisor = Supervisor(spec)
-    signals = _Signals()
+    signals = StopSignals()
     try:
         supervisor.run()
     except KeyboardInterrupt:
@@ -196,7 +196,7 @@ def _check_fits_policy(spec: RunSpec, spec_file: Path, policy_config: Pretrained
         raise SpecError(f"{spec_file}: {err}") from None
 
 
-class _Signals:
+class StopSignals:
     """SIGINT and SIGTERM: the first interrupts the run; once the shutdown has begun, they only say so.
 
     A KeyboardInterrupt raised inside supervisor.stop() would leave every component not yet stopped running,

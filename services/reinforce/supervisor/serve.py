@@ -3,7 +3,7 @@
 Redis (its append-only file in RUN_DIR/redis, so that accepted requests and their futures outlive a restart of
 anything, `reinforce serve` itself included), then the training API (services/reinforce/training_api/, which holds
 the base model and trains each tenant's adapter in its own process for now). A child that exits is restarted with
-the spec's `restart` policy; Ctrl-C stops both. The API key is drawn once, kept private in
+the spec's `restart` policy; Ctrl-C or SIGTERM stops both. The API key is drawn once, kept private in
 RUN_DIR/training_api/api_key and printed with the URL as the SDK reads them (TINKER_BASE_URL, TINKER_API_KEY).
 """
 
@@ -28,7 +28,7 @@ from reinforce.core.spec import RunSpec, dump_spec, load_spec
 from reinforce.supervisor.children import Children
 from reinforce.supervisor.component import RunFailed
 from reinforce.supervisor.lock import RunFolderBusy, RunLock
-from reinforce.supervisor.main import resolve_spec
+from reinforce.supervisor.main import StopSignals, resolve_spec
 from reinforce.supervisor.ports import free_port
 
 
@@ -51,6 +51,7 @@ def serve(spec: RunSpec, port: int) -> int:
         raise RunFailed(str(err)) from None
     paths.spec.write_text(dump_spec(spec))
     children = Children(spec)
+    signals = StopSignals()
     try:
         key = children.credentials[TRAINING_API_KEY_ENV] = api_key(paths)
         children.start_redis()
@@ -69,6 +70,7 @@ def serve(spec: RunSpec, port: int) -> int:
         print("interrupted: stopping the training API and Redis", file=sys.stderr)
         return 130
     finally:
+        signals.stopping = True  # a second Ctrl-C must not leave Redis or the API running
         children.stop()
 
 
