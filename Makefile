@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart tiny test test-fast lint proto generate images compose-smoke cluster-e2e
+.PHONY: install quickstart tiny test test-builds test-fast lint proto generate images compose-smoke cluster-e2e
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,14 @@ tiny: install
 # containers. tests/suite_plan.py plans them and fails a run past its time budget (docs/development.md).
 test: install
 	$(PY) -m pytest -n 2
+
+# What the cluster, chart and compose tests of `make test` build: the Kubernetes binaries (from Debian's source
+# package, into ~/.cache/reinforce-k8s) and every container image (~/.cache/reinforce-images and dockerd's layer
+# cache). Each is built once per machine and found in its cache after; `make test` builds what is missing when a test
+# first needs it. CI runs this first, timed apart from the tests. Needs root (apt, debootstrap, dockerd).
+test-builds: install
+	bash tests/integration/k8s-test-cluster.sh --node >/dev/null
+	bash scripts/build-images.sh
 
 # The quick loop: the unit tests and the integration tests that start no whole pipeline, API server, container or
 # browser (under 5 minutes on 2 cores).
