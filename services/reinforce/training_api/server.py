@@ -31,6 +31,7 @@ Every /api/v1 route but healthz needs the API key in `X-API-Key`.
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -331,7 +332,17 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         app.include_router(extension(tenants, store, accept), dependencies=keyed)
 
     @app.api_route(f"{API}/{{route:path}}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], dependencies=keyed)
-    async def everything_else(route: str) -> JSONResponse:
+    async def everything_else(route: str, request: Request) -> JSONResponse:
+        await unsupported_gap(request)
         return unsupported(route)
+
+    async def unsupported_gap(request: Request) -> None:
+        """A refused TrainingClient method (save_weights_external) took a seq_id, and the SDK goes on after it."""
+        try:
+            body = json.loads(await read_body(request) or b"null")
+        except (ValueError, HTTPException):
+            return
+        if isinstance(body, dict) and isinstance(body.get("model_id"), str) and isinstance(body.get("seq_id"), int):
+            await gap(body["model_id"], body["seq_id"], 400, "")
 
     return app
