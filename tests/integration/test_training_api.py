@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -401,25 +401,55 @@ def adapter_tensors(api_process: Api, training, name: str) -> dict[str, torch.Te
     return load_file(api_process.checkpoints / training.model_id / "weights" / name / "adapter.safetensors")
 
 
-def split_steps(training, data: list[types.Datum], steps: int, kill: Callable[[], None] | None = None) -> list[float]:
-    """`steps` of two forward_backwards (their gradients add up) and an optim_step. `kill` runs in the second step
-    once the first forward_backward is done and the second and the step are submitted: the first one's gradients
-    then live in the model's memory and its live snapshot alone."""
+def split_steps(training, data: list[types.Datum], steps: int, disturb: Disturbance | None = None) -> list[float]:
+    """`steps` of two forward_backwards (their gradients add up) and an optim_step. In the second step, once the
+    first forward_backward is done (its gradients then live in the model's memory and its live snapshot alone),
+    `disturb.before` runs, then the second and the step are submitted, then `disturb.after`."""
     losses = []
     for step in range(steps):
         first = training.forward_backward(data[:4], "cross_entropy")
         losses.append(first.result().metrics["loss:sum"])
+        if disturb is not None and step == 1:
+            disturb.before()
         second = training.forward_backward(data[4:], "cross_entropy")
         optim = training.optim_step(types.AdamParams(learning_rate=1e-2))
-        if kill is not None and step == 1:
-            kill()
+        if disturb is not None and step == 1:
+            disturb.after(training.model_id, 6)  # the step's seq_id: 3 requests a step
         losses.append(second.result().metrics["loss:sum"])
         optim.result()
     return losses
 
 
+class Disturbance:
+    """Keep the API's one worker thread busy with a long sample of the base model, so that the requests submitted
+    next wait in its queue, accepted and unfinished; once the last of them is accepted, kill the API with -9 and
+    start it again (the supervisor's job under `reinforce serve`)."""
+
+    def __init__(self, api_process: Api, redis_url: str) -> None:
+        self.api_process, self.redis = api_process, redis.Redis.from_url(redis_url)
+
+    def before(self) -> None:
+        raw = Raw(self.api_process.url)
+        raw.post("create_sampling_session", session_id=raw.session, sampling_session_seq_id=0, base_model=BASE_MODEL)
+        sample = types.SampleRequest(
+            sampling_session_id=f"{raw.session}:sample:0", seq_id=1, num_samples=8,
+            prompt=types.ModelInput.from_ints([1, 2, 3]),
+            sampling_params=types.SamplingParams(max_tokens=100, seed=1, stop=[]),
+        )  # fmt: skip
+        answer = httpx.post(f"{raw.api}/api/v1/asample", content=sample.model_dump_json(), headers=HEADERS, timeout=60)
+        assert answer.status_code == 200, answer.text
+
+    def after(self, model_id: str, seq_id: int) -> None:
+        deadline = time.monotonic() + 30
+        while not self.redis.exists(f"tinker:seq:{model_id}:{seq_id}"):
+            assert time.monotonic() < deadline, f"seq_id {seq_id} of {model_id} was not accepted within 30 s"
+            time.sleep(0.005)
+        self.api_process.kill()
+        self.api_process.start()
+
+
 def test_a_killed_api_comes_back_where_it_was_and_the_loop_finishes_bit_identically(
-    api_process: Api, service: tinker.ServiceClient
+    api_process: Api, service: tinker.ServiceClient, redis_server: str
 ):
     """kill -9 of the API in the middle of an SDK loop, then a restart (the supervisor's job under `reinforce
     serve`): the SDK retries, the worker brings every model back from its live snapshot and computes what was
@@ -429,12 +459,7 @@ def test_a_killed_api_comes_back_where_it_was_and_the_loop_finishes_bit_identica
     data = [datum(undisturbed.get_tokenizer(), text) for text in TEXTS]
     expected = split_steps(undisturbed, data, steps=3)
     killed = api_process.proc.pid
-
-    def kill_and_restart() -> None:
-        api_process.kill()
-        api_process.start()
-
-    assert split_steps(disturbed, data, steps=3, kill=kill_and_restart) == expected
+    assert split_steps(disturbed, data, steps=3, disturb=Disturbance(api_process, redis_server)) == expected
     assert api_process.proc.pid != killed
     assert (api_process.folder / "api.log").read_text().count("recovered") == 2  # a start, and the restart's
     got, want = adapter_tensors(api_process, disturbed, "final"), adapter_tensors(api_process, undisturbed, "final")

@@ -236,8 +236,8 @@ def test_a_restart_computes_exactly_the_requests_after_each_snapshot(base: Path,
 
     after = tenants_of(base, root)
     recovered = recover(after, queue)
-    # seq 3 finished from its snapshot, seq 4 back on the queue
-    assert recovered.next_seq == {MODEL: 4} and recovered.requeued == 1
+    # seq 3 finished from its snapshot; seq 4 back on the queue, before seq 5
+    assert recovered.next_seq == {MODEL: 4} and recovered.requeued == 2
     assert statuses(redis_url, ids) == [b"done"] * 4 + [b"pending"] * 2  # seq 3's outcome came from its snapshot
     assert redis.Redis.from_url(redis_url).hget(f"tinker:request:{ids[3]}", "result") == applied.outcome.result
     run_until_done(Worker(after, queue, recovered=recovered), redis_url, ids)

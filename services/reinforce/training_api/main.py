@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     queue = WorkQueue(args.redis_url)
     recovered = recover(tenants, queue)
     logging.info(
-        "recovered %d models from their live snapshots; %d unfinished requests back on the queue",
+        "recovered %d models from their live snapshots; %d unfinished requests on the queue",
         len(tenants.tenants), recovered.requeued,
     )  # fmt: skip
     Worker(tenants, queue, args.session_timeout_s, recovered).start()

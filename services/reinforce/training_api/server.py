@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from tinker import types
 from tinker.types.get_server_capabilities_response import SupportedModel
+from tinker.types.try_again_response import TryAgainResponse  # not exported by tinker.types
 
 from reinforce.core.http_kit import add_probes, count_requests, read_capped, unauthorized_detail
 from reinforce.core.metrics import RequestMetrics
@@ -314,7 +315,7 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
             raise refuse(404, f"request_id {ask.request_id!r}: no such request")
         status = fields[b"status"]
         if status == b"pending":
-            waiting = types.TryAgainResponse(request_id=ask.request_id, queue_state="active")
+            waiting = TryAgainResponse(request_id=ask.request_id, queue_state="active")
             return JSONResponse(waiting.model_dump())
         if status == b"failed":
             failure = types.RequestFailedResponse(

@@ -147,12 +147,13 @@ class FutureStore:
         await self.redis.aclose()
 
 
-# KEYS: running, queue. What a previous process had taken goes back to the queue's head, in the order it was taken.
+# KEYS: running, queue. What a previous process had taken goes back to the queue's head, in the order it was taken;
+# returns how many requests the queue then holds.
 _REQUEUE = """
 local running = redis.call('LRANGE', KEYS[1], 0, -1)
 for i = #running, 1, -1 do redis.call('LPUSH', KEYS[2], running[i]) end
 redis.call('DEL', KEYS[1])
-return #running
+return redis.call('LLEN', KEYS[2])
 """
 
 
@@ -165,7 +166,7 @@ class WorkQueue:
 
     def requeue_unfinished(self) -> int:
         """At start: every request a previous process took and did not finish goes back to the queue (the worker
-        puts each model's in seq_id order and skips those finished since); how many."""
+        puts each model's in seq_id order and skips those finished since); how many the queue then holds."""
         return int(self._requeue(keys=[RUNNING, QUEUE]))
 
     def status(self, request_id: str) -> str | None:

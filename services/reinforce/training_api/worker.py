@@ -106,7 +106,8 @@ def attempt(tenants: Tenants, sampler: Sampler, request: Stored) -> Applied:
 
 @dataclass
 class Recovered:
-    """What a start found: each model's next seq_id, the expired ones (model -> its error), how many re-queued."""
+    """What a start found: each model's next seq_id, the expired ones (model -> its error), how many requests wait
+    on the queue (those re-queued included)."""
 
     next_seq: dict[str, int] = field(default_factory=dict)
     expired: dict[str, str] = field(default_factory=dict)
