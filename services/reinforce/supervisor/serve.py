@@ -94,6 +94,6 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     command.add_argument("--run-dir", metavar="DIR", help="the server's folder (instead of the spec's run_dir)")
     command.add_argument(
         "--session-timeout-s", type=float, default=TRAINING_API_SESSION_TIMEOUT_S, metavar="S",
-        help=f"seconds a session may be silent before it expires (default {TRAINING_API_SESSION_TIMEOUT_S:g})",
+        help="seconds a session may go without a heartbeat before it expires, its models saved and unloaded",
     )  # fmt: skip
     command.set_defaults(handler=serve_command)
