@@ -2,8 +2,9 @@
 (tinker==0.38.0, the `api` extra) on a tiny random model: a supervised loop whose held-out loss falls, save_state and
 a client created from it continuing bit for bit, a response lost on the way and retried being applied once, another
 payload under a used seq_id refused with 409, a method this version does not support refused at once by name, and
-the built-in ppo (with loss_fn_config) taking the same step as ppo written client-side for forward_backward_custom.
-docs/training-api.md's loop runs here too."""
+the built-in ppo (with loss_fn_config) taking the same step as ppo written client-side for forward_backward_custom,
+the API killed with -9 mid-loop and restarted and the loop ending bit-identically, requests sent out of seq_id order
+applied in order, and an expired session's models saved and refused. docs/training-api.md's loop runs here too."""
 
 from __future__ import annotations
 
@@ -545,3 +546,21 @@ def test_requests_sent_out_of_seq_id_order_are_applied_in_order(api_process: Api
     start = time.monotonic()
     assert "path" in wait_for(raw.api, raw.send(gapped, 2, "save_weights", []).json()["request_id"])
     assert time.monotonic() - start < 20  # not the worker's GAP_WAIT_S for a seq_id nothing came under
+
+
+def test_an_expired_sessions_models_are_saved_and_its_requests_refused_naming_it(api_process: Api, redis_server: str):
+    """A session marked expired in Redis (as the worker marks one silent for --session-timeout-s; the unit tests
+    time one out) has its models saved and unloaded by the worker, and every request on them refused with 410."""
+    raw = Raw(api_process.url)
+    model_id = raw.create(seed=11)
+    redis.Redis.from_url(redis_server).hset(f"tinker:session:{raw.session}", "expiry", f"session {raw.session} expired")
+    saved = api_process.checkpoints / model_id / "weights" / "session-expired"
+    deadline = time.monotonic() + 20
+    while not saved.is_dir():
+        assert time.monotonic() < deadline, "the worker did not save the expired session's model"
+        time.sleep(0.1)
+    refused = raw.send(model_id, 1, "optim_step", [])
+    assert refused.status_code == 410 and raw.session in refused.json()["detail"]
+    assert raw.post("session_heartbeat", session_id=raw.session).status_code == 410  # the SDK stops its heartbeats
+    info = raw.post("get_info", model_id=model_id)
+    assert info.status_code == 404  # unloaded
