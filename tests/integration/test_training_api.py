@@ -2,14 +2,16 @@
 (tinker==0.38.0, the `api` extra) on a tiny random model: a supervised loop whose held-out loss falls, save_state and
 a client created from it continuing bit for bit, a response lost on the way and retried being applied once, another
 payload under a used seq_id refused with 409, a method this version does not support refused at once by name, and
-the built-in ppo (with loss_fn_config) taking the same step as ppo written client-side for forward_backward_custom.
-docs/training-api.md's loop runs here too."""
+the built-in ppo (with loss_fn_config) taking the same step as ppo written client-side for forward_backward_custom,
+the API killed with -9 mid-loop and restarted and the loop ending bit-identically, requests sent out of seq_id order
+applied in order, and an expired session's models saved and refused. docs/training-api.md's loop runs here too."""
 
 from __future__ import annotations
 
 import http.server
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,15 +21,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import torch
 import yaml
 from conftest import stop_process
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from reinforce.core.names import LOCAL_HOST
 from reinforce.supervisor.ports import free_port
 
 tinker = pytest.importorskip("tinker", reason="the `api` extra (tinker==0.38.0) is not installed")
 from tinker import types  # noqa: E402
+from tinker.proto import tinker_public_pb2 as public_pb  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+
+from reinforce.training_api.wire import PROTOBUF  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,37 +48,60 @@ HEADERS = {"X-API-Key": KEY}
 TEXTS = [f"the {animal} sat on the {thing}." for animal in ("cat", "dog", "hen") for thing in ("mat", "rug", "bed")]
 
 
-@pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> Iterator[str]:
-    """The server's base URL: `python -m reinforce.training_api` on examples/tiny.yaml's model with an untied output
-    layer (so the SDK's default train_unembed=True adapts lm_head)."""
-    folder = tmp_path_factory.mktemp("training-api")
-    spec = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    spec["run_dir"] = str(folder / "run")
-    spec["data"]["prompts"] = str(ROOT / "examples" / spec["data"]["prompts"])
-    spec["policy"]["random_init"]["tie_word_embeddings"] = False
-    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
-    port = free_port()
-    env = {**os.environ, "REINFORCE_TRAINING_API_KEY": KEY}
-    command = [sys.executable, "-m", "reinforce.training_api", "--spec", str(folder / "spec.yaml")]
-    command += ["--port", str(port), "--redis-url", redis_server]
-    with (folder / "api.log").open("w") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://{LOCAL_HOST}:{port}"
-    try:
+class Api:
+    """`python -m reinforce.training_api` on examples/tiny.yaml's model with an untied output layer (so the SDK's
+    default train_unembed=True adapts lm_head), on one port for its life: a test can kill it with -9 and start it
+    again, as the supervisor would."""
+
+    def __init__(self, folder: Path, redis_url: str) -> None:
+        spec = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+        spec["run_dir"] = str(folder / "run")
+        spec["data"]["prompts"] = str(ROOT / "examples" / spec["data"]["prompts"])
+        spec["policy"]["random_init"]["tie_word_embeddings"] = False
+        (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+        self.folder, self.port = folder, free_port()
+        self.command = [sys.executable, "-m", "reinforce.training_api", "--spec", str(folder / "spec.yaml")]
+        self.command += ["--port", str(self.port), "--redis-url", redis_url]
+        self.url = f"http://{LOCAL_HOST}:{self.port}"
+        self.checkpoints = folder / "run" / "training_api"
+        self.start()
+
+    def start(self) -> None:
+        env = {**os.environ, "REINFORCE_TRAINING_API_KEY": KEY}
+        with (self.folder / "api.log").open("a") as log:
+            self.proc = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_until_ready(self) -> None:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, (folder / "api.log").read_text()[-3000:]
+            assert self.proc.poll() is None, (self.folder / "api.log").read_text()[-3000:]
             try:
-                if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/api/v1/healthz").status_code == 200:
+                    return
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "the training API did not answer within 120 s"
             time.sleep(0.2)
-        yield url
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def api_process(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> Iterator[Api]:
+    process = Api(tmp_path_factory.mktemp("training-api"), redis_server)
+    try:
+        process.wait_until_ready()
+        yield process
     finally:
-        stop_process(proc)
+        stop_process(process.proc)
+
+
+@pytest.fixture(scope="module")
+def api(api_process: Api) -> str:
+    """The server's base URL."""
+    return api_process.url
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +393,174 @@ def test_a_snapshot_samples_as_it_was_while_training_goes_on(service: tinker.Ser
     scored = types.ModelInput.from_ints(prompt)
     assert after.compute_logprobs(scored).result()[1:] == pytest.approx(now, abs=1e-5)
     assert before.compute_logprobs(scored).result()[1:] != pytest.approx(now, abs=1e-3)
+
+
+def adapter_tensors(api_process: Api, training, name: str) -> dict[str, torch.Tensor]:
+    """The adapter of `training` as save_state writes it, read from the run folder."""
+    path = training.save_state(name).result().path
+    assert path == f"tinker://{training.model_id}/weights/{name}"
+    return load_file(api_process.checkpoints / training.model_id / "weights" / name / "adapter.safetensors")
+
+
+def split_steps(training, data: list[types.Datum], steps: int, disturb: Disturbance | None = None) -> list[float]:
+    """`steps` of two forward_backwards (their gradients add up) and an optim_step. In the second step, once the
+    first forward_backward is done (its gradients then live in the model's memory and its live snapshot alone),
+    `disturb.before` runs, then the second and the step are submitted, then `disturb.after`."""
+    losses = []
+    for step in range(steps):
+        first = training.forward_backward(data[:4], "cross_entropy")
+        losses.append(first.result().metrics["loss:sum"])
+        if disturb is not None and step == 1:
+            disturb.before()
+        second = training.forward_backward(data[4:], "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        if disturb is not None and step == 1:
+            disturb.after(training.model_id, 6)  # the step's seq_id: 3 requests a step
+        losses.append(second.result().metrics["loss:sum"])
+        optim.result()
+    return losses
+
+
+class Disturbance:
+    """Keep the API's one worker thread busy with a long sample of the base model, so that the requests submitted
+    next wait in its queue, accepted and unfinished; once the last of them is accepted, kill the API with -9 and
+    start it again (the supervisor's job under `reinforce serve`)."""
+
+    def __init__(self, api_process: Api, redis_url: str) -> None:
+        self.api_process, self.redis = api_process, redis.Redis.from_url(redis_url)
+
+    def before(self) -> None:
+        raw = Raw(self.api_process.url)
+        raw.post("create_sampling_session", session_id=raw.session, sampling_session_seq_id=0, base_model=BASE_MODEL)
+        sample = types.SampleRequest(
+            sampling_session_id=f"{raw.session}:sample:0", seq_id=1, num_samples=8,
+            prompt=types.ModelInput.from_ints([1, 2, 3]),
+            sampling_params=types.SamplingParams(max_tokens=100, seed=1, stop=[]),
+        )  # fmt: skip
+        answer = httpx.post(f"{raw.api}/api/v1/asample", content=sample.model_dump_json(), headers=HEADERS, timeout=60)
+        assert answer.status_code == 200, answer.text
+
+    def after(self, model_id: str, seq_id: int) -> None:
+        deadline = time.monotonic() + 30
+        while not self.redis.exists(f"tinker:seq:{model_id}:{seq_id}"):
+            assert time.monotonic() < deadline, f"seq_id {seq_id} of {model_id} was not accepted within 30 s"
+            time.sleep(0.005)
+        self.api_process.kill()
+        self.api_process.start()
+
+
+def test_a_killed_api_comes_back_where_it_was_and_the_loop_finishes_bit_identically(
+    api_process: Api, service: tinker.ServiceClient, redis_server: str
+):
+    """kill -9 of the API in the middle of an SDK loop, then a restart (the supervisor's job under `reinforce
+    serve`): the SDK retries, the worker brings every model back from its live snapshot and computes what was
+    accepted and not finished once; the losses and the final adapter equal an undisturbed loop's bit for bit."""
+    undisturbed = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=8).result()
+    disturbed = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=8).result()
+    data = [datum(undisturbed.get_tokenizer(), text) for text in TEXTS]
+    expected = split_steps(undisturbed, data, steps=3)
+    killed = api_process.proc.pid
+    assert split_steps(disturbed, data, steps=3, disturb=Disturbance(api_process, redis_server)) == expected
+    assert api_process.proc.pid != killed
+    assert (api_process.folder / "api.log").read_text().count("recovered") == 2  # a start, and the restart's
+    got, want = adapter_tensors(api_process, disturbed, "final"), adapter_tensors(api_process, undisturbed, "final")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in got)
+    assert logprobs(disturbed, data) == logprobs(undisturbed, data)
+
+
+def forward_backward_body(model_id: str, seq_id: int, data: list[types.Datum]) -> bytes:
+    """The protobuf body the SDK would send."""
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=seq_id,
+    )  # fmt: skip
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+class Raw:
+    """A client that speaks the API over raw HTTP, posting requests in any seq_id order."""
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+        self.session = self.post("create_session", tags=[], user_metadata=None, sdk_version="raw").json()["session_id"]
+        self.models = 0
+
+    def post(self, route: str, **body: object) -> httpx.Response:
+        return httpx.post(f"{self.api}/api/v1/{route}", json=body, headers=HEADERS, timeout=60)
+
+    def create(self, seed: int) -> str:
+        lora = {"rank": 4, "seed": seed}
+        created = self.post("create_model", session_id=self.session, model_seq_id=self.models, base_model=BASE_MODEL,
+                            lora_config=lora)  # fmt: skip
+        self.models += 1
+        return wait_for(self.api, created.json()["request_id"])["model_id"]
+
+    def send(self, model_id: str, seq_id: int, kind: str, data: list[types.Datum]) -> httpx.Response:
+        if kind == "forward_backward":
+            headers = {**HEADERS, "content-type": PROTOBUF}
+            body = forward_backward_body(model_id, seq_id, data)
+            return httpx.post(f"{self.api}/api/v1/forward_backward", content=body, headers=headers, timeout=60)
+        if kind == "optim_step":
+            return self.post("optim_step", model_id=model_id, seq_id=seq_id, adam_params={"learning_rate": 1e-2})
+        return self.post("save_weights", model_id=model_id, seq_id=seq_id, path=f"seq-{seq_id}")
+
+
+def result_of(api: str, request_id: str) -> object:
+    """A finished request's result: a forward_backward's parsed protobuf, the others' JSON less the model's path."""
+    answer = httpx.post(f"{api}/api/v1/retrieve_future", json={"request_id": request_id}, headers=HEADERS, timeout=60)
+    if answer.headers["content-type"].startswith(PROTOBUF):
+        output = public_pb.ForwardBackwardOutput()
+        output.ParseFromString(answer.content)
+        return output
+    found = answer.json()
+    assert found.get("type") != "try_again" and "error" not in found, found
+    return {key: value for key, value in found.items() if key != "path"}
+
+
+def test_requests_sent_out_of_seq_id_order_are_applied_in_order(api_process: Api, redis_server: str):
+    """Two models of one seed get the same requests, one in seq_id order, the other shuffled (the step and the save
+    before the gradients they come after): each request waits for its predecessor, so every result and the saved
+    adapters are the same bit for bit. A seq_id the server refused is no gap to wait for."""
+    raw = Raw(api_process.url)
+    tokenizer = AutoTokenizer.from_pretrained(api_process.folder / "run" / "initial_policy")
+    data = [datum(tokenizer, text) for text in TEXTS]
+    plan = {1: ("forward_backward", data[:4]), 2: ("forward_backward", data[4:]),
+            3: ("optim_step", []), 4: ("forward_backward", data[:2]), 5: ("save_weights", [])}  # fmt: skip
+    ordered, shuffled = raw.create(seed=9), raw.create(seed=9)
+    in_order = {seq: raw.send(ordered, seq, *plan[seq]).json()["request_id"] for seq in sorted(plan)}
+    out_of_order = {seq: raw.send(shuffled, seq, *plan[seq]).json()["request_id"] for seq in (5, 3, 4, 2)}
+    time.sleep(1.0)  # time for the worker to apply them, were it to take them as they came
+    statuses = redis.Redis.from_url(redis_server)
+    assert [statuses.hget(f"tinker:request:{i}", "status") for i in out_of_order.values()] == [b"pending"] * 4
+    out_of_order[1] = raw.send(shuffled, 1, *plan[1]).json()["request_id"]
+    for seq in sorted(plan):
+        assert result_of(raw.api, out_of_order[seq]) == result_of(raw.api, in_order[seq]), seq
+    first = load_file(api_process.checkpoints / ordered / "weights" / "seq-5" / "adapter.safetensors")
+    second = load_file(api_process.checkpoints / shuffled / "weights" / "seq-5" / "adapter.safetensors")
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+    gapped = raw.create(seed=10)
+    bad = [types.Datum(model_input=types.ModelInput.from_ints([10**6]), loss_fn_inputs={"target_tokens": [1]})]
+    assert raw.send(gapped, 1, "forward_backward", bad).status_code == 400
+    start = time.monotonic()
+    assert "path" in wait_for(raw.api, raw.send(gapped, 2, "save_weights", []).json()["request_id"])
+    assert time.monotonic() - start < 20  # not the worker's GAP_WAIT_S for a seq_id nothing came under
+
+
+def test_an_expired_sessions_models_are_saved_and_its_requests_refused_naming_it(api_process: Api, redis_server: str):
+    """A session marked expired in Redis (as the worker marks one silent for --session-timeout-s; the unit tests
+    time one out) has its models saved and unloaded by the worker, and every request on them refused with 410."""
+    raw = Raw(api_process.url)
+    model_id = raw.create(seed=11)
+    redis.Redis.from_url(redis_server).hset(f"tinker:session:{raw.session}", "expiry", f"session {raw.session} expired")
+    saved = api_process.checkpoints / model_id / "weights" / "session-expired"
+    deadline = time.monotonic() + 20
+    while not saved.is_dir():
+        assert time.monotonic() < deadline, "the worker did not save the expired session's model"
+        time.sleep(0.1)
+    refused = raw.send(model_id, 1, "optim_step", [])
+    assert refused.status_code == 410 and raw.session in refused.json()["detail"]
+    assert raw.post("session_heartbeat", session_id=raw.session).status_code == 410  # the SDK stops its heartbeats
+    info = raw.post("get_info", model_id=model_id)
+    assert info.status_code == 404  # unloaded

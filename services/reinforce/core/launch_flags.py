@@ -27,6 +27,7 @@ from reinforce.core.names import (
     LOCAL_HOST,
     REDIS_URL_ENV,
     TRAINING_API_PORT,
+    TRAINING_API_SESSION_TIMEOUT_S,
 )
 
 
@@ -176,3 +177,8 @@ class TrainingApiFlags(LaunchFlags):
     host: str = flag(f"Bind address (default {LOCAL_HOST}).", LOCAL_HOST)
     port: int = flag(f"Port of the API (default {TRAINING_API_PORT}).", TRAINING_API_PORT)
     redis_url: str | None = flag(f"redis://[:PASSWORD@]HOST:PORT/DB (default: ${REDIS_URL_ENV})", None, REDIS_URL_ENV)
+    session_timeout_s: float = flag(
+        f"seconds: a session with no heartbeat for this long expires, its models saved and unloaded (default "
+        f"{TRAINING_API_SESSION_TIMEOUT_S:g})",
+        TRAINING_API_SESSION_TIMEOUT_S,
+    )

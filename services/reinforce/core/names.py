@@ -41,6 +41,8 @@ COMPONENT_TRAINING_API = "training-api"
 TRAINING_API_PORT = 5558
 TRAINING_API_KEY_ENV = "REINFORCE_TRAINING_API_KEY"
 TRAINING_API_KEY_PREFIX = "tml-"
+# A training-API session silent this long expires (its models saved and unloaded); the SDK beats every 10 s.
+TRAINING_API_SESSION_TIMEOUT_S = 600.0
 # its API: it checks it, generators send it, and the reward server when it runs code there (reward.function code_tests)
 ENVIRONMENT_TOKEN_ENV = "REINFORCE_ENVIRONMENT_TOKEN"
 

@@ -22,6 +22,7 @@ from reinforce.core.names import (
     LOCAL_HOST,
     TRAINING_API_KEY_ENV,
     TRAINING_API_KEY_PREFIX,
+    TRAINING_API_SESSION_TIMEOUT_S,
 )
 from reinforce.core.run_dir import RunPaths
 from reinforce.core.spec import RunSpec, dump_spec, load_spec
@@ -42,7 +43,7 @@ def api_key(paths: RunPaths) -> str:
     return path.read_text().strip()
 
 
-def serve(spec: RunSpec, port: int) -> int:
+def serve(spec: RunSpec, port: int, session_timeout_s: float = TRAINING_API_SESSION_TIMEOUT_S) -> int:
     paths = RunPaths(spec.resolved_run_dir())
     paths.root.mkdir(parents=True, exist_ok=True)
     try:
@@ -56,7 +57,8 @@ def serve(spec: RunSpec, port: int) -> int:
         key = children.credentials[TRAINING_API_KEY_ENV] = api_key(paths)
         children.start_redis()
         url = f"http://{LOCAL_HOST}:{port}"
-        argv = children.service_argv(launch.TRAINING_API, TrainingApiFlags(port=port))
+        flags = TrainingApiFlags(port=port, session_timeout_s=session_timeout_s)
+        argv = children.service_argv(launch.TRAINING_API, flags)
         api = children.component(COMPONENT_TRAINING_API, argv, service=launch.TRAINING_API)
         print(f"starting the training API (log: {api.log_path}) ...", flush=True)
         children.starting.append((api, url + launch.TRAINING_API.ready_path))
@@ -81,7 +83,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.run_dir:
         spec = spec.model_copy(update={"run_dir": str(Path(args.run_dir).resolve())})
     try:
-        return serve(spec, args.port or free_port())
+        return serve(spec, args.port or free_port(), args.session_timeout_s)
     except RunFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -92,4 +94,8 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     command.add_argument("spec", help="run spec YAML: its policy is the base model, its run_dir the server's folder")
     command.add_argument("--port", type=int, default=0, help="the API's port (default: a free one)")
     command.add_argument("--run-dir", metavar="DIR", help="the server's folder (instead of the spec's run_dir)")
+    command.add_argument(
+        "--session-timeout-s", type=float, default=TRAINING_API_SESSION_TIMEOUT_S, metavar="S",
+        help="seconds a session may go without a heartbeat before it expires, its models saved and unloaded",
+    )  # fmt: skip
     command.set_defaults(handler=serve_command)

@@ -4,7 +4,8 @@
         adapter.safetensors    the adapters as a LoRA weight version (core/lora.py: plain module names, metadata
                                `format: lora` and `lora_scaling`), the file the generators load
         optimizer.safetensors  AdamW's state, `<parameter index>.<exp_avg|exp_avg_sq|step>` (the tenant's fixed order)
-        config.json            the base model and the adapters' LoraSpec (rank, alpha, modules)
+        config.json            the base model, the adapters' LoraSpec (rank, alpha, modules) and the id of the
+                               request that saved it (a replay of that request after a crash finds it done)
         manifest.json          core/checkpoints.py's: the run's id and each file's size and sha256
 
 Written into a staging folder, fsynced and renamed into place (core/durable.py), so a crash leaves the old
@@ -61,10 +62,24 @@ def folder_of(root: Path, path: str) -> Path:
     return root / parsed.training_run_id / "weights" / name
 
 
-def save(root: Path, model_id: str, name: str, state: State, overwrite: bool, run_id: str) -> str:
-    """Write checkpoint `name` of `model_id`; its tinker:// path. ValueError where it exists and not `overwrite`."""
+def saved_by(folder: Path) -> str | None:
+    """The id of the request that wrote a checkpoint or sampler-weights folder (None: none recorded, or no folder)."""
+    try:
+        return json.loads((folder / CONFIG).read_text()).get("request_id")
+    except FileNotFoundError:
+        return None
+
+
+def save(
+    root: Path, model_id: str, name: str, state: State, overwrite: bool, run_id: str, request_id: str | None = None
+) -> str:
+    """Write checkpoint `name` of `model_id`; its tinker:// path. ValueError where it exists and not `overwrite`,
+    unless request `request_id` wrote it (a request replayed after a crash that came after its folder was written:
+    done already)."""
     path = tinker_path(model_id, name)
     final = folder_of(root, path)
+    if request_id is not None and saved_by(final) == request_id:
+        return path
     if final.exists() and not overwrite:
         raise ValueError(f"path {path!r} exists already (save with overwrite=True to replace it)")
     staging = final.with_name(f".tmp-{name}")
@@ -74,7 +89,7 @@ def save(root: Path, model_id: str, name: str, state: State, overwrite: bool, ru
     save_file(state.adapters, str(staging / ADAPTER), metadata={"format": LORA_FORMAT, "lora_scaling": repr(scaling)})
     moments = {f"{index}.{key}": value for index, entry in state.optimizer.items() for key, value in entry.items()}
     save_file(moments, str(staging / OPTIMIZER), metadata={"num_parameters": str(state.num_parameters)})
-    config = {"base_model": state.base_model, "lora": state.lora.model_dump(mode="json")}
+    config = {"base_model": state.base_model, "lora": state.lora.model_dump(mode="json"), "request_id": request_id}
     (staging / CONFIG).write_text(json.dumps(config, indent=1))
     write_manifest(staging, run_id)
     fsync_tree(staging)

@@ -1,13 +1,16 @@
 """The Tinker training API as a service: the `tinker` SDK's loops train LoRA adapters of the run's policy.
 
     python -m reinforce.training_api --spec SPEC.yaml [--host H] [--port N] [--redis-url URL]
+                                     [--session-timeout-s S]
         (the API key comes from $REINFORCE_TRAINING_API_KEY and must begin with `tml-`, as the SDK demands;
-         the Redis address from --redis-url or $REINFORCE_REDIS_URL)
+         the Redis address from --redis-url or $REINFORCE_REDIS_URL; a session silent for S seconds expires)
 
 The spec's `policy` is the base model (materialised into RUN_DIR/initial_policy as for a run, so its tokenizer's
 folder is what get_info names); its `seed` draws a new adapter where the client gives no seed; training.lora.alpha
-(where the spec has that section) is every adapter's alpha. Checkpoints go to RUN_DIR/training_api/. server.py
-lists the routes, worker.py how requests are applied, store.py what Redis holds.
+(where the spec has that section) is every adapter's alpha. Checkpoints and each model's live snapshot go to
+RUN_DIR/training_api/; at start the worker brings every model back from its live snapshot and re-queues what a
+killed process left unfinished (worker.py's `recover`). server.py lists the routes, worker.py how requests are
+applied, store.py what Redis holds, live.py what a live snapshot holds.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from reinforce.training_api import sampling
 from reinforce.training_api.server import create_app
 from reinforce.training_api.store import FutureStore, WorkQueue
 from reinforce.training_api.tenants import Tenants
-from reinforce.training_api.worker import Worker
+from reinforce.training_api.worker import Worker, recover
 
 
 def base_model_name(policy: PolicySpec) -> str:
@@ -52,9 +55,12 @@ def main(argv: list[str] | None = None) -> None:
         ensure_run_id(paths),
     )  # fmt: skip
     queue = WorkQueue(args.redis_url)
-    if abandoned := queue.abandon_unfinished():
-        logging.warning("failed %d requests a previous process accepted and did not finish", abandoned)
-    Worker(tenants, queue).start()
+    recovered = recover(tenants, queue)
+    logging.info(
+        "recovered %d models from their live snapshots; %d unfinished requests on the queue",
+        len(tenants.tenants), recovered.requeued,
+    )  # fmt: skip
+    Worker(tenants, queue, args.session_timeout_s, recovered).start()
     # The port opens once the base model is loaded: answering means ready.
     app = create_app(tenants, FutureStore(args.redis_url), api_key, extensions=[sampling.routes])
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -11,7 +11,8 @@ shared base model and an immutable snapshot of a tenant's adapter.
                                            SDK's protobuf SampleResponse (it accepts no JSON for this type)
 
     CHECKPOINTS/MODEL_ID/sampler_weights/NAME/   adapter.safetensors (a LoRA weight version, as checkpoint.py's),
-                                                 config.json (base model, LoraSpec), manifest.json; durable, no pickle
+                                                 config.json (base model, LoraSpec, the saving request's id),
+                                                 manifest.json; durable, no pickle
     tinker:sampling_session:ID                   hash: base_model, model_path ("" for the base model)
 
 A snapshot is never overwritten (a second save under a name is refused), so a sampling session, which names one
@@ -62,9 +63,9 @@ from reinforce.core.checkpoints import damage, write_manifest
 from reinforce.core.durable import fsync_tree, replace_durably
 from reinforce.core.lora import LORA_FORMAT, lora_config, read_lora_version
 from reinforce.core.spec import LoraSpec
-from reinforce.training_api.checkpoint import ADAPTER, CONFIG, NAME
+from reinforce.training_api.checkpoint import ADAPTER, CONFIG, NAME, saved_by
 from reinforce.training_api.server import API, Accept, parse, read_body, refuse
-from reinforce.training_api.store import PREFIX, FutureStore, Stored
+from reinforce.training_api.store import PREFIX, FutureStore, Stored, session_of
 from reinforce.training_api.tenants import PEFT_PREFIX, Tenants
 
 KINDS = ("save_weights_for_sampler", "asample")
@@ -79,10 +80,6 @@ def sampler_path(model_id: str, name: str) -> str:
 def unnamed(sampling_session_seq_id: int) -> str:
     """The snapshot name of a save without one (save_weights_and_get_sampling_client)."""
     return f"sampling-session-{sampling_session_seq_id}"
-
-
-def session_of(model_id: str) -> str:
-    return model_id.rsplit(":train:", 1)[0]
 
 
 def sampling_session_id(session_id: str, sampling_session_seq_id: int) -> str:
@@ -110,10 +107,15 @@ def sampler_folder(root: Path, path: str) -> Path:
     return root / parsed.training_run_id / "sampler_weights" / name
 
 
-def save_snapshot(root: Path, path: str, base_model: str, lora: LoraSpec, adapters: dict, run_id: str) -> None:
+def save_snapshot(
+    root: Path, path: str, base_model: str, lora: LoraSpec, adapters: dict, run_id: str, request_id: str | None = None
+) -> None:
     """Write sampler weights durably (staged, fsynced, renamed); ValueError where `path` exists: a snapshot is
-    never replaced, so every sampling session on it keeps its weights."""
+    never replaced, so every sampling session on it keeps its weights. Where request `request_id` wrote it (replayed
+    after a crash that came after the write) it is done already."""
     final = sampler_folder(root, path)
+    if request_id is not None and saved_by(final) == request_id:
+        return
     if final.exists():
         raise ValueError(f"sampler weights {path!r} exist already: a snapshot is saved once under a name")
     staging = final.with_name(f".tmp-{final.name}")
@@ -121,7 +123,8 @@ def save_snapshot(root: Path, path: str, base_model: str, lora: LoraSpec, adapte
     staging.mkdir(parents=True)
     scaling = repr(lora.alpha / lora.rank)
     save_file(adapters, str(staging / ADAPTER), metadata={"format": LORA_FORMAT, "lora_scaling": scaling})
-    (staging / CONFIG).write_text(json.dumps({"base_model": base_model, "lora": lora.model_dump(mode="json")}))
+    config = {"base_model": base_model, "lora": lora.model_dump(mode="json"), "request_id": request_id}
+    (staging / CONFIG).write_text(json.dumps(config))
     write_manifest(staging, run_id)
     fsync_tree(staging)
     replace_durably(staging, final)
@@ -270,12 +273,13 @@ class Sampler:
         if request.kind == "asample":
             return self.sample(types.SampleRequest.model_validate_json(request.body)), "proto"
         save = types.SaveWeightsForSamplerRequest.model_validate_json(request.body)
-        return self.save(request.model_id, save).model_dump_json(exclude_none=True).encode(), "json"
+        saved = self.save(request.model_id, save, request.request_id)
+        return saved.model_dump_json(exclude_none=True).encode(), "json"
 
-    def save(self, model_id: str, save: types.SaveWeightsForSamplerRequest) -> BaseModel:
+    def save(self, model_id: str, save: types.SaveWeightsForSamplerRequest, request_id: str | None = None) -> BaseModel:
         tenant = self.tenants.tenants.get(model_id)
         if tenant is None or self.tenants.peft is None:
-            raise ValueError(f"model_id {model_id!r}: no such model on this server (a restart forgets models)")
+            raise ValueError(f"model_id {model_id!r}: no such model on this server")
         adapters = {
             name.removeprefix(PEFT_PREFIX): tensor.detach().clone()
             for name, tensor in get_peft_model_state_dict(
@@ -285,7 +289,7 @@ class Sampler:
         seq = save.sampling_session_seq_id
         path = sampler_path(model_id, save.path if save.path is not None else unnamed(seq or 0))
         tenants = self.tenants
-        save_snapshot(tenants.checkpoints, path, tenants.base_model, tenant.lora, adapters, tenants.run_id)
+        save_snapshot(tenants.checkpoints, path, tenants.base_model, tenant.lora, adapters, tenants.run_id, request_id)
         opened = sampling_session_id(session_of(model_id), seq) if save.path is None and seq is not None else None
         return types.SaveWeightsForSamplerResponseInternal(
             path=path, sampling_session_id=opened, type="save_weights_for_sampler"
@@ -373,6 +377,17 @@ def check_sample(sample: types.SampleRequest, vocab_size: int, max_context_lengt
         raise ValueError(f"prompt_logprobs_last_n {last_n}: between 1 and {len(prompt) - 1}")
 
 
+def checked_save(root: Path, save: types.SaveWeightsForSamplerRequest) -> str:
+    """The sampler path a save_weights_for_sampler writes; ValueError where this version cannot save it."""
+    if save.kind != "snapshot":
+        raise ValueError("save_weights_for_sampler: kind 'inflight' is not supported in this version (snapshot)")
+    if save.path is None and save.sampling_session_seq_id is None:
+        raise ValueError("save_weights_for_sampler: a path (the name) or a sampling_session_seq_id")
+    path = sampler_path(save.model_id, save.path or unnamed(save.sampling_session_seq_id or 0))
+    sampler_folder(root, path)
+    return path
+
+
 def routes(tenants: Tenants, store: FutureStore, accept: Accept) -> APIRouter:
     """The sampling routes; `accept` is the server's, which takes a request once per (model, seq_id)."""
     router = APIRouter()
@@ -396,14 +411,11 @@ def routes(tenants: Tenants, store: FutureStore, accept: Accept) -> APIRouter:
     async def save_weights_for_sampler(request: Request) -> dict:
         body = await read_body(request)
         save = parse(body, types.SaveWeightsForSamplerRequest)
-        if save.kind != "snapshot":
-            raise refuse(400, "save_weights_for_sampler: kind 'inflight' is not supported in this version (snapshot)")
-        if save.path is None and save.sampling_session_seq_id is None:
-            raise refuse(400, "save_weights_for_sampler: a path (the name) or a sampling_session_seq_id")
-        path = sampler_path(save.model_id, save.path or unnamed(save.sampling_session_seq_id or 0))
         try:
-            sampler_folder(tenants.checkpoints, path)
+            path = checked_save(tenants.checkpoints, save)
         except ValueError as err:
+            if save.seq_id:  # the worker must not wait for a request refused here
+                await store.refused(save.model_id, save.seq_id)
             raise refuse(400, str(err)) from None
         if not await store.created(save.model_id):
             raise refuse(404, f"model_id {save.model_id!r}: no such model")

@@ -21,13 +21,17 @@ own pydantic types (tinker/types), forward_backward as its protobuf (wire.py).
 Every other route is refused at once with 400, a body naming the SDK method that calls it and saying this version
 does not support it, and `x-should-retry: false`: the SDK retries 408, 409, 429 and 5xx (and a 400 without a
 body) for minutes, so a refusal must be none of those. Requests that change a model are accepted once per
-(model, seq_id) in Redis (store.py); a different payload under a used seq_id is refused with 409 naming both.
+(model, seq_id) in Redis (store.py); a different payload under a used seq_id is refused with 409 naming both. The
+worker applies each model's requests in seq_id order (worker.py), so a request refused here once its model and
+seq_id are known is recorded as a gap it must not wait for. A request on a model of an expired session (no
+heartbeat for --session-timeout-s) is refused with 410 naming the session.
 Every /api/v1 route but healthz needs the API key in `X-API-Key`.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -38,10 +42,11 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from tinker import types
 from tinker.types.get_server_capabilities_response import SupportedModel
+from tinker.types.try_again_response import TryAgainResponse  # not exported by tinker.types
 
 from reinforce.core.http_kit import add_probes, count_requests, read_capped, unauthorized_detail
 from reinforce.core.metrics import RequestMetrics
-from reinforce.training_api.store import FutureStore, Stored
+from reinforce.training_api.store import FutureStore, SeqRefused, Stored, session_of
 from reinforce.training_api.tenants import Tenants, target_modules
 from reinforce.training_api.wire import PROTOBUF, batch_of, parse_forward_backward, to_request
 
@@ -139,8 +144,17 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         found = await store.session(session_id)
         if not found:
             raise refuse(404, f"session_id {session_id!r}: no such session")
+        if b"expiry" in found:
+            raise refuse(410, found[b"expiry"].decode())
         if b"finished" in found:
             raise refuse(410, f"session {session_id} has finished")
+
+    async def gap(model_id: str, seq_id: int | None, status: int, detail: str) -> HTTPException:
+        """The refusal of a request that names (model_id, seq_id), recorded so that the worker, which applies a
+        model's requests in seq_id order, does not wait for it (seq 0, a model's creation, is never a gap)."""
+        if seq_id:
+            await store.refused(model_id, seq_id)
+        return refuse(status, detail)
 
     async def accept(
         model_id: str, seq_id: int | None, kind: str, body: bytes, encoding: str, payload: BaseModel | Message
@@ -149,7 +163,10 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         as where that one's payload, parsed, equals this one's `payload` (409 where it does not)."""
         if seq_id is None:
             raise refuse(400, f"{kind}: seq_id is required (every SDK request carries one)")
-        request_id, held = await store.accept(model_id, seq_id, kind, body, encoding)
+        try:
+            request_id, held = await store.accept(model_id, seq_id, kind, body, encoding)
+        except SeqRefused as err:
+            raise refuse(409, f"{kind}: {err}") from None
         if held is None:
             return future(request_id, model_id)
         if held.kind != kind or stored_payload(held, type(payload)) != payload:
@@ -163,6 +180,9 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
     async def existing(model_id: str) -> None:
         if not await store.created(model_id):
             raise refuse(404, f"model_id {model_id!r}: no such model")
+        expiry = (await store.session(session_of(model_id))).get(b"expiry")
+        if expiry is not None:  # its models were unloaded, their state saved
+            raise refuse(410, expiry.decode())
 
     @app.get(f"{API}/healthz")
     async def healthz() -> dict:
@@ -242,9 +262,12 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         encoding = request.headers.get("content-encoding", "")
         try:
             message = parse_forward_backward(body, encoding or None)
-            batch_of(to_request(message), message.forward_only, tenants.vocab_size)  # refused now, not in the queue
         except ValueError as err:
             raise refuse(400, f"forward_backward: {err}") from None
+        try:
+            batch_of(to_request(message), message.forward_only, tenants.vocab_size)  # refused now, not in the queue
+        except ValueError as err:
+            raise await gap(message.model_id, message.seq_id, 400, f"forward_backward: {err}") from None
         await existing(message.model_id)
         return await accept(message.model_id, message.seq_id, "forward_backward", body, encoding, message)
 
@@ -253,7 +276,8 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         body = await read_body(request)
         step = parse(body, types.OptimStepRequest)
         if not isinstance(step.optim_params, types.AdamParams):
-            raise refuse(400, f"optim_params of type {step.optim_params.type!r}: only AdamParams in this version")
+            detail = f"optim_params of type {step.optim_params.type!r}: only AdamParams in this version"
+            raise await gap(step.model_id, step.seq_id, 400, detail)
         await existing(step.model_id)
         return await accept(step.model_id, step.seq_id, "optim_step", body, "", step)
 
@@ -262,7 +286,8 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         body = await read_body(request)
         save = parse(body, types.SaveWeightsRequest)
         if save.path is None:
-            raise refuse(400, "save_weights: path (the checkpoint's name) is required in this version")
+            detail = "save_weights: path (the checkpoint's name) is required in this version"
+            raise await gap(save.model_id, save.seq_id, 400, detail)
         await existing(save.model_id)
         return await accept(save.model_id, save.seq_id, "save_weights", body, "", save)
 
@@ -290,7 +315,7 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
             raise refuse(404, f"request_id {ask.request_id!r}: no such request")
         status = fields[b"status"]
         if status == b"pending":
-            waiting = types.TryAgainResponse(request_id=ask.request_id, queue_state="active")
+            waiting = TryAgainResponse(request_id=ask.request_id, queue_state="active")
             return JSONResponse(waiting.model_dump())
         if status == b"failed":
             failure = types.RequestFailedResponse(
@@ -308,7 +333,17 @@ def create_app(tenants: Tenants, store: FutureStore, api_key: str, extensions: S
         app.include_router(extension(tenants, store, accept), dependencies=keyed)
 
     @app.api_route(f"{API}/{{route:path}}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], dependencies=keyed)
-    async def everything_else(route: str) -> JSONResponse:
+    async def everything_else(route: str, request: Request) -> JSONResponse:
+        await unsupported_gap(request)
         return unsupported(route)
+
+    async def unsupported_gap(request: Request) -> None:
+        """A refused TrainingClient method (save_weights_external) took a seq_id, and the SDK goes on after it."""
+        try:
+            body = json.loads(await read_body(request) or b"null")
+        except (ValueError, HTTPException):
+            return
+        if isinstance(body, dict) and isinstance(body.get("model_id"), str) and isinstance(body.get("seq_id"), int):
+            await gap(body["model_id"], body["seq_id"], 400, "")
 
     return app

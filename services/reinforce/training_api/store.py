@@ -1,18 +1,23 @@
 """Futures in Redis: every request that changes a model is accepted once per (model, seq_id), and its future, its
 payload and its result live in Redis, not in this process.
 
-    tinker:seq:MODEL:SEQ      the request id that (model, seq_id) was accepted as; create_model and a create-from-
-                              state load_weights take seq 0 of the model they create
+    tinker:seq:MODEL:SEQ      the request id that (model, seq_id) was accepted as, or `refused` where the server
+                              refused the request that named it (the worker does not wait for that seq_id);
+                              create_model and a create-from-state load_weights take seq 0 of the model they create
     tinker:request:ID         hash: model, seq_id, kind, body (the request as it came), encoding, status
                               (pending | done | failed), result and result_type (proto | json), or error and category
     tinker:queue              request ids accepted and not yet taken by the worker, in the order accepted
-    tinker:running            the one the worker has taken and not finished
-    tinker:session:ID         hash: created, heartbeat, finished (seconds since the epoch)
+    tinker:running            those the worker has taken and not finished (computing, or waiting for an earlier
+                              seq_id of their model); at start they go back to the queue's head
+    tinker:session:ID         hash: created, heartbeat, finished, expired (seconds since the epoch), and once
+                              expired `expiry`, the error its models' requests get
 
 Accepting is one Lua script (atomic in Redis): the first request under (model, seq_id) stores its payload and joins
 the queue; a retry (the SDK retries on lost responses and 5xx, with a new idempotency key each time) finds the
 stored id and returns it, so it is applied once. The caller compares a retry's payload with the stored one, parsed,
-and refuses another payload under a used seq_id with 409 naming both.
+and refuses another payload under a used seq_id with 409 naming both. A request stays pending until the worker has
+applied it and written its model's live snapshot (live.py), so after a crash every pending one is computed again,
+and only those.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio
 
+from reinforce.training_api.live import Outcome
+
 PREFIX = "tinker:"
 QUEUE = f"{PREFIX}queue"
 RUNNING = f"{PREFIX}running"
 POLL_S = 0.02  # how often a long poll looks at a pending request's status
+REFUSED = "refused"  # a seq key's value where the request that named it was refused before acceptance
 
 # KEYS: seq key, request key, queue. ARGV: request id, model, seq_id, kind, body, encoding. Returns the id the
 # (model, seq_id) pair is held by: ARGV[1] when this call accepted it.
@@ -51,6 +59,11 @@ def request_key(request_id: str) -> str:
     return f"{PREFIX}request:{request_id}"
 
 
+def session_of(model_id: str) -> str:
+    """The session a model (`SESSION:train:N`) belongs to."""
+    return model_id.rsplit(":train:", 1)[0]
+
+
 def session_key(session_id: str) -> str:
     return f"{PREFIX}session:{session_id}"
 
@@ -65,12 +78,17 @@ class Stored:
     kind: str
     body: bytes
     encoding: str  # the body's Content-Encoding ("" for none)
+    status: str = "pending"  # as it was read: done or failed for one re-queued after it was finished
+
+
+class SeqRefused(Exception):
+    """A request under a seq_id whose first request was refused: a seq_id is used once."""
 
 
 def _stored(request_id: str, fields: dict[bytes, bytes]) -> Stored:
     return Stored(
         request_id, fields[b"model"].decode(), int(fields[b"seq_id"]), fields[b"kind"].decode(), fields[b"body"],
-        fields[b"encoding"].decode(),
+        fields[b"encoding"].decode(), fields[b"status"].decode(),
     )  # fmt: skip
 
 
@@ -91,7 +109,14 @@ class FutureStore:
         held = (await self._accept(keys=keys, args=[request_id, model_id, seq_id, kind, body, encoding])).decode()
         if held == request_id:
             return request_id, None
+        if held == REFUSED:
+            raise SeqRefused(f"model {model_id} seq_id {seq_id} was refused before: a seq_id is used once")
         return held, _stored(held, await self.redis.hgetall(request_key(held)))
+
+    async def refused(self, model_id: str, seq_id: int) -> None:
+        """Record that a request naming (model_id, seq_id) was refused, so the worker does not wait for it (unless
+        that seq_id was accepted already: then it is not a gap)."""
+        await self.redis.set(seq_key(model_id, seq_id), REFUSED, nx=True)
 
     async def created(self, model_id: str) -> bool:
         """Whether a request that creates `model_id` (its seq 0) was accepted."""
@@ -122,20 +147,56 @@ class FutureStore:
         await self.redis.aclose()
 
 
+# KEYS: running, queue. What a previous process had taken goes back to the queue's head, in the order it was taken;
+# returns how many requests the queue then holds.
+_REQUEUE = """
+local running = redis.call('LRANGE', KEYS[1], 0, -1)
+for i = #running, 1, -1 do redis.call('LPUSH', KEYS[2], running[i]) end
+redis.call('DEL', KEYS[1])
+return redis.call('LLEN', KEYS[2])
+"""
+
+
 class WorkQueue:
     """The worker's side (blocking)."""
 
     def __init__(self, url: str) -> None:
         self.redis = redis.Redis.from_url(url)
+        self._requeue = self.redis.register_script(_REQUEUE)
 
-    def abandon_unfinished(self) -> int:
-        """At start: fail every request a previous process accepted and did not finish (its models lived in that
-        process's memory); how many."""
-        ids = self.redis.lrange(RUNNING, 0, -1) + self.redis.lrange(QUEUE, 0, -1)
-        for request_id in ids:
-            self.fail(request_id.decode(), "the training API restarted before this request ran", "server")
-        self.redis.delete(RUNNING, QUEUE)
-        return len(ids)
+    def requeue_unfinished(self) -> int:
+        """At start: every request a previous process took and did not finish goes back to the queue (the worker
+        puts each model's in seq_id order and skips those finished since); how many the queue then holds."""
+        return int(self._requeue(keys=[RUNNING, QUEUE]))
+
+    def status(self, request_id: str) -> str | None:
+        status = self.redis.hget(request_key(request_id), "status")
+        return None if status is None else status.decode()
+
+    def held_by(self, model_id: str, seq_id: int) -> str | None:
+        """The request id (model_id, seq_id) was accepted as, REFUSED, or None (nothing came under it)."""
+        held = self.redis.get(seq_key(model_id, seq_id))
+        return None if held is None else held.decode()
+
+    def session_state(self, session_id: str) -> tuple[float | None, str | None]:
+        """(the session's last sign of life, its heartbeat or else its creation; the error of its expiry, once it
+        expired): (None, None) for an unknown session."""
+        beat, created, expiry = self.redis.hmget(session_key(session_id), "heartbeat", "created", "expiry")
+        alive = [float(value) for value in (beat, created) if value is not None]
+        return (max(alive) if alive else None), (None if expiry is None else expiry.decode())
+
+    def expire_session(self, session_id: str, message: str) -> None:
+        self.redis.hset(session_key(session_id), mapping={"expired": time.time(), "expiry": message})
+
+    def drop(self, request_id: str) -> None:
+        """Forget a taken request finished before (re-queued at a start)."""
+        self.redis.lrem(RUNNING, 0, request_id)
+
+    def record(self, request_id: str, outcome: Outcome) -> None:
+        if outcome.status == "done":
+            self.finish(request_id, outcome.result, outcome.result_type)
+        else:
+            self.fail(request_id, outcome.error, outcome.category)
 
     def next(self, timeout_s: float) -> Stored | None:
         """The oldest accepted request, moved to RUNNING (None after `timeout_s` without one)."""

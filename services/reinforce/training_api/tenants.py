@@ -30,7 +30,7 @@ from reinforce.core.lora import lora_config
 from reinforce.core.optim import adamw
 from reinforce.core.policy import load_policy
 from reinforce.core.spec import LoraSpec
-from reinforce.training_api import checkpoint
+from reinforce.training_api import checkpoint, live
 from reinforce.training_api.losses import LOSSES
 from reinforce.training_api.wire import Batch
 
@@ -75,6 +75,7 @@ class Tenants:
         self.plain.requires_grad_(False)
         self.peft: PeftModel | None = None
         self.tenants: dict[str, Tenant] = {}
+        self._adapters = 0  # adapters made: each one's name is new, also after another was unloaded
         self._lock = threading.Lock()  # the server reads `info` while the worker adds tenants
 
     @property
@@ -114,7 +115,8 @@ class Tenants:
                 "lora_config.train_unembed: this base model's output layer is tied to its input embeddings; "
                 "pass train_unembed=False"
             ) from None
-        adapter = f"tenant{len(self.tenants)}"
+        adapter = f"tenant{self._adapters}"
+        self._adapters += 1
         with torch.random.fork_rng(devices=[]):  # the adapter's init draws from its own seed, not the process's
             torch.manual_seed(seed)
             if self.peft is None:
@@ -134,7 +136,7 @@ class Tenants:
     def _activate(self, model_id: str) -> Tenant:
         tenant = self.tenants.get(model_id)
         if tenant is None:
-            raise ValueError(f"model_id {model_id!r}: no such model on this server (a restart forgets models)")
+            raise ValueError(f"model_id {model_id!r}: no such model on this server")
         assert self.peft is not None  # a tenant exists
         self.peft.set_adapter(tenant.adapter)
         for parameter in tenant.parameters:  # set_adapter may freeze what it switches to
@@ -182,8 +184,9 @@ class Tenants:
         tenant.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm), "learning_rate": params.learning_rate}
 
-    def save(self, model_id: str, name: str, overwrite: bool) -> str:
-        """Its adapter and optimizer state as checkpoint `name` (checkpoint.py); the tinker:// path."""
+    def save(self, model_id: str, name: str, overwrite: bool, request_id: str | None = None) -> str:
+        """Its adapter and optimizer state as checkpoint `name` (checkpoint.py); the tinker:// path. request_id:
+        the request that saves it, recorded in the checkpoint so that its replay after a crash finds it done."""
         tenant = self._activate(model_id)
         assert self.peft is not None
         adapters = {
@@ -195,7 +198,7 @@ class Tenants:
         state = checkpoint.State(
             self.base_model, tenant.lora, adapters, tenant.optimizer.state_dict()["state"], len(tenant.parameters)
         )
-        return checkpoint.save(self.checkpoints, model_id, name, state, overwrite, self.run_id)
+        return checkpoint.save(self.checkpoints, model_id, name, state, overwrite, self.run_id, request_id)
 
     def load(self, model_id: str, path: str, with_optimizer: bool, create: bool) -> None:
         """Checkpoint `path` into model `model_id`, created from it (create: its rank and modules) or existing
@@ -220,3 +223,37 @@ class Tenants:
         else:
             fresh["state"] = {}
         tenant.optimizer.load_state_dict(fresh)
+
+    def capture(self, model_id: str) -> live.ModelState:
+        """Everything of a tenant that later requests depend on: its adapter, the gradients added and not yet
+        stepped, its AdamW state and hyperparameters (references, not copies: written before the next request)."""
+        tenant = self.tenants[model_id]
+        tensors = {f"param.{i}": p for i, p in enumerate(tenant.parameters)}
+        tensors |= {f"grad.{i}": p.grad for i, p in enumerate(tenant.parameters) if p.grad is not None}
+        optimizer = tenant.optimizer.state_dict()
+        for index, entry in optimizer["state"].items():
+            tensors |= {f"optim.{index}.{key}": value for key, value in entry.items()}
+        return live.ModelState(tenant.lora, optimizer["param_groups"], tensors)
+
+    def restore(self, model_id: str, state: live.ModelState) -> None:
+        """A tenant as `capture` saw it, bit for bit (a fresh adapter overwritten: its seed does not matter)."""
+        tenant = self._add(model_id, state.lora, self.seed)
+        with torch.no_grad():
+            for i, parameter in enumerate(tenant.parameters):
+                parameter.copy_(state.tensors[f"param.{i}"])
+                grad = state.tensors.get(f"grad.{i}")
+                parameter.grad = None if grad is None else grad.clone()
+        moments: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.tensors.items():
+            if key.startswith("optim."):
+                _, index, name = key.split(".", 2)
+                moments.setdefault(int(index), {})[name] = value
+        groups = [{**group, "betas": tuple(group["betas"])} for group in state.param_groups]  # JSON made it a list
+        tenant.optimizer.load_state_dict({"state": moments, "param_groups": groups})
+
+    def unload(self, model_id: str) -> None:
+        """Drop a tenant from memory (its state is on disk: the worker's live snapshot)."""
+        with self._lock:
+            tenant = self.tenants.pop(model_id)
+        assert self.peft is not None  # a tenant existed
+        self.peft.delete_adapter(tenant.adapter)
