@@ -176,7 +176,7 @@ class Reference:
         grads = torch.cat([p.grad.flatten() for p in self.parameters.values()])
         self.grad_norm = float(grads.double().norm())
         self.grad_rms = float(grads[grads != 0].double().pow(2).mean().sqrt())  # A's are 0: B starts at 0
-        return float(loss), logprobs
+        return float(loss.detach()), logprobs
 
     def optim_step(self, adam: types.AdamParams) -> torch.optim.AdamW:
         """Clip the global norm to grad_clip_norm (scale by max_norm / (norm + 1e-6) where under 1, the rule of
