@@ -342,6 +342,17 @@ def render(results: dict) -> str:
     ]
     for model, r in results["runs"].items():
         lines += ["", *render_run(model, r)]
+    lines += [
+        "",
+        "Reading the figures: the tiny model's step computes in milliseconds, so a request's fixed cost through the "
+        "API (HTTP, Redis, and the SDK's long poll of retrieve_future, which the server answers by looking at the "
+        "request every 20 ms: POLL_S in training_api/store.py) is a large share of it, while SmolLM2's step computes "
+        "for seconds and the same fixed cost is a few percent. The server computes every request on its one worker "
+        "thread, one after another, and does not yet batch different tenants' forward_backward into one pass, so "
+        "tenants at once gain only what overlaps with their clients' round trips (and on 2 CPUs the clients compete "
+        "with the server). Rounds on a machine whose load average exceeds its CPU count differ by several times: "
+        "the best round is the closer estimate of the cost itself, the median what a user of a busy machine sees.",
+    ]
     return "\n".join(lines) + "\n"
 
 
