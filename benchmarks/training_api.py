@@ -403,7 +403,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--steps", type=int, default=10, help="steps per round and per tenant")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--work", type=Path, default=Path("runs/benchmark-training-api"))
+    # outside the repository: a runs/ folder at its root makes ruff's isort take tests' `runs` for a package
+    work = Path(tempfile.gettempdir()) / "reinforce-benchmark-training-api"
+    parser.add_argument("--work", type=Path, default=work, help="run folders, and SmolLM2 materialised once")
     add_render_flag(parser)
     args = parser.parse_args()
     if not args.render:
