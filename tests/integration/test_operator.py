@@ -566,6 +566,8 @@ def test_operator_restart_mid_reconcile_duplicates_nothing(operator_env: Operato
     with operator(cluster.namespace):
         wait_for(lambda: len(cluster.children()) == len(KINDS), 30)
         wait_for(lambda: cluster.status().get("phase") == "Pending", 15)
+    # the StatefulSet's pod is the controller-manager's to make, in its own time (under load, after the operator's)
+    wait_for(lambda: cluster.pods("trainer"), 30)
     after = cluster.children()
     assert len(after) == len(KINDS) and len(cluster.pods("trainer")) == 1
     assert after[("Secret", "tiny-secrets")].data["control-token"] == token, "the secret was regenerated"
