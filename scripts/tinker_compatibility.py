@@ -281,12 +281,18 @@ def committed_table() -> str:
     return found.group(0).split("\n", 1)[1].rsplit("\n", 1)[0] if found else ""
 
 
-@contextmanager
-def served(folder: Path) -> Iterator[tuple[str, str]]:
-    """`reinforce serve` of examples/tiny.yaml in `folder`: its URL and API key, until Ctrl-C at the end."""
+def tiny_spec(folder: Path) -> dict:
+    """examples/tiny.yaml with its run folder in `folder` (and its prompts found from anywhere)."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     spec["run_dir"] = str(folder / "run")
     spec["data"]["prompts"] = str(ROOT / "examples" / spec["data"]["prompts"])
+    return spec
+
+
+@contextmanager
+def served(spec: dict, folder: Path, wait_s: float = 300.0) -> Iterator[tuple[str, str]]:
+    """`reinforce serve` of `spec` (written to `folder`): its URL and API key as it prints them, until Ctrl-C at the
+    end (benchmarks/training_api.py serves through it too)."""
     (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
     argv = [sys.executable, "-m", "reinforce", "serve", str(folder / "spec.yaml")]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
@@ -300,7 +306,7 @@ def served(folder: Path) -> Iterator[tuple[str, str]]:
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        if not found.wait(300):
+        if not found.wait(wait_s):
             raise RuntimeError(f"reinforce serve printed no TINKER_BASE_URL:\n{''.join(printed)}")
         exports = EXPORTS.search("".join(printed))
         yield exports["url"], exports["key"]
@@ -310,8 +316,10 @@ def served(folder: Path) -> Iterator[tuple[str, str]]:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="tinker-compatibility-") as tmp, served(Path(tmp)) as (url, key):
-        rows = measure(url, key)
+    with tempfile.TemporaryDirectory(prefix="tinker-compatibility-") as tmp:
+        folder = Path(tmp)
+        with served(tiny_spec(folder), folder) as (url, key):
+            rows = measure(url, key)
     write(rows)
     print(render(rows))
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_sdk_method_is_answered_and_the_docs_table_says_how(tmp_path: Path) -> None:
-    with compatibility.served(tmp_path) as (url, key):
+    with compatibility.served(compatibility.tiny_spec(tmp_path), tmp_path) as (url, key):
         rows = compatibility.measure(url, key)
     assert [(r.client, r.method) for r in rows] == compatibility.public_methods()
     assert not [r for r in rows if not r.answered], "hangs, or refused without naming what"
