@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) scripts/install_system.py engines
-	$(PY) -m pip install -q -e ".[dev,trackers,data,lora,megatron,dali,docs,api]"
+	$(PY) -m pip install -q -e ".[dev,trackers,data,lora,megatron,dali,docs,api,openenv,reasoning]"
 	$(PY) scripts/install_system.py
 	touch $@
 
