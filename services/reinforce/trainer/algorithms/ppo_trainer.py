@@ -44,22 +44,21 @@ import torch
 from torch import Tensor
 
 from reinforce.core.critic_api import Minibatch
-from reinforce.core.packing import packing_metrics
+from reinforce.core.packing import MicroBatch, packing_metrics
 from reinforce.core.spec import RunSpec
 from reinforce.trainer.algorithms.aggregation import step_normalizer
-from reinforce.trainer.algorithms.base import Algorithm, SampleValues, TokenStats
+from reinforce.trainer.algorithms.base import Algorithm, SampleValues
 from reinforce.trainer.algorithms.dapo import shaped_rewards
 from reinforce.trainer.algorithms.ppo import generalized_advantages, ppo_policy_loss, token_rewards
 from reinforce.trainer.algorithms.reinforce import (
+    BehaviourStats,
     earlier_versions_mismatched,
-    mismatched_groups,
     truncated_importance_weights,
 )
 from reinforce.trainer.algorithms.tensors import kl_per_token, masked_mean, masked_whiten
 from reinforce.trainer.backends.base import TrainerBackend
 from reinforce.trainer.batch import (
     StepBatch,
-    generator_logprobs,
     in_order,
     micro_batches,
     prompt_index,
@@ -209,37 +208,21 @@ class PPO(Algorithm):
         values_request = None
         if self.critic is not None:
             values_request = self.pool.submit(self.critic.values, whole.prompt_ids, whole.response_ids)
-        old, ref, masks = [], [], []
-        timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
         k = alg.num_rollouts_per_prompt
         parts = micro_batches(
             prompt_ids, response_ids, self.spec.training, k, whole_groups=False, shares_prompts=backend.shares_prompts
         )
-        for part in parts:
-            ref_start = time.perf_counter()
-            ref.append(backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature))
-            old_start = time.perf_counter()
-            logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
-            timers["timers/init_logprobs"] += old_start - ref_start
-            timers["timers/logprobs"] += time.perf_counter() - old_start
-            old.append(logprobs)
-            masks.append(mask)
-        old_logprobs, ref_logprobs, masks = in_order(old, parts), in_order(ref, parts), in_order(masks, parts)
-        # a group sampled with these very weights: the generator's log-probs should be the trainer's
-        behaviour = generator_logprobs(batch.groups, like=old_logprobs)
-        same_version = torch.tensor([g.policy_version == version for g in batch.groups for _ in g.samples])
-        mismatch = TokenStats()
-        mismatch.add((behaviour - old_logprobs).abs(), masks * same_version.unsqueeze(-1))
+        old_logprobs, ref_logprobs, masks, timers = self.logprobs(parts, backend)
         limit = self.spec.training.max_logprob_mismatch
-        refused = mismatched_groups(behaviour, old_logprobs, masks, same_version, k, limit)
-        refused |= earlier_versions_mismatched(batch.groups, backend, version, limit, temperature)
-        refused_samples = refused.repeat_interleave(k)
-        keep = batch.keep.reshape(-1) & ~refused_samples
+        behaviour_stats = BehaviourStats(k, limit, alg.importance_weight_cap)
+        earlier_refused = earlier_versions_mismatched(batch.groups, backend, version, limit, temperature)
+        behaviour, refused = behaviour_stats.compare(batch.groups, old_logprobs, masks, version, earlier_refused)
+        keep = batch.keep.reshape(-1) & ~refused.repeat_interleave(k)
         mask = masks * keep.unsqueeze(-1)
-        importance_weights, weights = None, TokenStats()
+        importance_weights = None
         if alg.max_policy_lag > 0:
             importance_weights = truncated_importance_weights(old_logprobs, behaviour, alg.importance_weight_cap)
-            weights.add(importance_weights, mask)
+            behaviour_stats.weights.add(importance_weights, mask)
         wait_start = time.perf_counter()
         whole_values = torch.zeros(len(whole.response_ids), max(len(r) for r in whole.response_ids))
         if values_request is not None:
@@ -260,14 +243,25 @@ class PPO(Algorithm):
             prompt_ids, response_ids, keep, old_logprobs, mask, actor_samples, actor_mask, kl, values, advantages,
             returns, whitened, importance_weights, whole, critic,
         )  # fmt: skip
-        stats = {
-            "train_rollouts/logprob_mismatch": mismatch.mean(),
-            "train_rollouts/refused_mismatched_groups": float(int(refused_samples.sum()) // k),
-            "train_rollouts/importance_weight_mean": weights.mean(),
-            "train_rollouts/importance_weight_max": weights.max,
-            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
-        }
-        return rollout, {**timers, **packing_metrics(parts)}, stats
+        return rollout, {**timers, **packing_metrics(parts)}, behaviour_stats.metrics()
+
+    def logprobs(
+        self, parts: list[MicroBatch], backend: TrainerBackend
+    ) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
+        """The policy's and the reference's log-probs of the whole batch in prompt order, their mask, and timers."""
+        temperature = self.spec.generation.temperature
+        old, ref, masks = [], [], []
+        timers = {"timers/init_logprobs": 0.0, "timers/logprobs": 0.0, "timers/critic_wait": 0.0}
+        for part in parts:
+            ref_start = time.perf_counter()
+            ref.append(backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature))
+            old_start = time.perf_counter()
+            logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
+            timers["timers/init_logprobs"] += old_start - ref_start
+            timers["timers/logprobs"] += time.perf_counter() - old_start
+            old.append(logprobs)
+            masks.append(mask)
+        return in_order(old, parts), in_order(ref, parts), in_order(masks, parts), timers
 
     def whole_batch(self, batch: StepBatch, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> WholeBatch:
         """Every data-parallel rank's token ids in prompt order (a collective of every rank)."""

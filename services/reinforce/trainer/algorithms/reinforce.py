@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reinforce.core.packing import packing_metrics
+from reinforce.core.packing import MicroBatch, packing_metrics
 from reinforce.core.records_pb2 import RolloutGroup
 from reinforce.core.registry import AdvantageEstimator
 from reinforce.trainer.algorithms.advantages import (
@@ -183,6 +183,37 @@ def earlier_versions_mismatched(
     return refused
 
 
+class BehaviourStats:
+    """The behaviour policy mu (the generator's log-probs) beside the trainer's pi, accumulated over a step's
+    micro-batches: the train/inference gap where the generator had the very weights being trained, the groups
+    refused for it, and the importance weights. REINFORCE and PPO report the same five figures from it."""
+
+    def __init__(self, k: int, limit: float, cap: float) -> None:
+        self.k, self.limit, self.cap = k, limit, cap
+        self.mismatch, self.weights, self.refused_groups = TokenStats(), TokenStats(), 0
+
+    def compare(
+        self, groups: list[RolloutGroup], logprobs: Tensor, mask: Tensor, version: int, earlier_refused: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """mu of `groups` shaped like `logprobs`, and [G] bool of the groups refused: too far from the live weights
+        (`mismatched_groups`) or from the earlier version they claim (`earlier_refused`)."""
+        behaviour = generator_logprobs(groups, like=logprobs)
+        same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
+        self.mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
+        refused = mismatched_groups(behaviour, logprobs, mask, same_version, self.k, self.limit) | earlier_refused
+        self.refused_groups += int(refused.sum())
+        return behaviour, refused
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "train_rollouts/logprob_mismatch": self.mismatch.mean(),
+            "train_rollouts/refused_mismatched_groups": float(self.refused_groups),
+            "train_rollouts/importance_weight_mean": self.weights.mean(),
+            "train_rollouts/importance_weight_max": self.weights.max,
+            "train_rollouts/importance_weight_capped_fraction": self.weights.fraction_at_least(self.cap),
+        }
+
+
 @dataclass(frozen=True)
 class TokenAdvantages:
     """What the loss needs from any estimator: per-token advantages and, for the metrics, each sample's KL."""
@@ -263,39 +294,26 @@ class Reinforce(Algorithm):
         backend.zero_grad()
         # N and S of every rank's batch
         normalizer = step_normalizer(self.spec, self.ranks.sum(batch.num_tokens), self.ranks.sum(batch.num_samples))
-        loss_total, refused_groups = 0.0, 0
-        advantages_abs, mismatch, weights, clipped = TokenStats(), TokenStats(), TokenStats(), TokenStats()
+        loss_total, advantages_abs, clipped = 0.0, TokenStats(), TokenStats()
         k = alg.num_rollouts_per_prompt
         kl, advantage_means = torch.zeros(batch.keep.numel()), torch.zeros(batch.keep.numel())
         limit = t.max_logprob_mismatch
+        behaviour_stats = BehaviourStats(k, limit, alg.importance_weight_cap)
         earlier_refused = earlier_versions_mismatched(batch.groups, backend, version, limit, temperature)
         parts = micro_batches(
             *token_lists(batch.groups), t, k, whole_groups=True, shares_prompts=backend.shares_prompts
         )
         for part in parts:
             rows = part.groups(k)
-            if whole_batch is None:
-                ref_start = time.perf_counter()
-                ref_logprobs = backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature)
-                ref_seconds += time.perf_counter() - ref_start
-            logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
-            if whole_batch is None:
-                adv = self.advantages(
-                    rewards[rows], logprobs, ref_logprobs, mask, self.baseline_members(batch)[rows], batch.keep[rows]
-                )
-            else:
-                adv = TokenAdvantages(whole_batch.kl[part.rows], whole_batch.advantages[part.rows, : mask.shape[1]])
+            logprobs, mask, adv, seconds = self.part_advantages(batch, part, rewards, whole_batch, backend)
+            ref_seconds += seconds
             groups = [batch.groups[i] for i in rows.tolist()]
-            behaviour = generator_logprobs(groups, like=logprobs)
-            same_version = torch.tensor([g.policy_version == version for g in groups for _ in g.samples])
-            refused = mismatched_groups(behaviour, logprobs, mask, same_version, k, limit) | earlier_refused[rows]
-            refused_groups += int(refused.sum())
+            behaviour, refused = behaviour_stats.compare(groups, logprobs, mask, version, earlier_refused[rows])
             loss_mask = mask * (batch.keep[rows] & ~refused.unsqueeze(-1)).reshape(-1, 1)
+            weights = behaviour_stats.weights
             loss = self.loss(logprobs, behaviour, adv.advantages, loss_mask, normalizer, weights, clipped)
             loss.backward()
             loss_total += loss.item()
-            # train/inference mismatch: only where the generator had the very weights being trained
-            mismatch.add((behaviour - logprobs.detach()).abs(), mask * same_version.unsqueeze(-1))
             advantages_abs.add(adv.advantages.abs(), loss_mask)
             kl[part.rows] = adv.kl
             advantage_means[part.rows] = masked_mean(adv.advantages, mask)
@@ -310,11 +328,7 @@ class Reinforce(Algorithm):
             "train_rollouts/overlong_penalty": (rewards - batch.rewards)[batch.keep].mean().item(),
             "train_optim/ppo_clip_fraction": clipped.mean(),
             "train_rollouts/advantages_abs": advantages_abs.mean(),
-            "train_rollouts/logprob_mismatch": mismatch.mean(),
-            "train_rollouts/refused_mismatched_groups": float(refused_groups),
-            "train_rollouts/importance_weight_mean": weights.mean(),
-            "train_rollouts/importance_weight_max": weights.max,
-            "train_rollouts/importance_weight_capped_fraction": weights.fraction_at_least(alg.importance_weight_cap),
+            **behaviour_stats.metrics(),
             "train_optim/loss": loss_total,
             "train_optim/grad_norm": grad_norm,
             "train_optim/lr": lr,
@@ -322,6 +336,29 @@ class Reinforce(Algorithm):
             "timers/train_time": time.perf_counter() - train_start - ref_seconds,
             **packing_metrics(parts),
         }
+
+    def part_advantages(
+        self,
+        batch: StepBatch,
+        part: MicroBatch,
+        rewards: Tensor,
+        whole_batch: TokenAdvantages | None,
+        backend: TrainerBackend,
+    ) -> tuple[Tensor, Tensor, TokenAdvantages, float]:
+        """A micro-batch's policy log-probs (with gradient) and their mask, its advantages, and the seconds its
+        reference log-probs took (none when `whole_batch` holds the step's advantages already)."""
+        temperature = self.spec.generation.temperature
+        if whole_batch is not None:
+            logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
+            adv = TokenAdvantages(whole_batch.kl[part.rows], whole_batch.advantages[part.rows, : mask.shape[1]])
+            return logprobs, mask, adv, 0.0
+        rows = part.groups(self.spec.algorithm.num_rollouts_per_prompt)
+        ref_start = time.perf_counter()
+        ref_logprobs = backend.reference_logprobs(part.prompt_ids, part.response_ids, temperature)
+        ref_seconds = time.perf_counter() - ref_start
+        logprobs, mask = backend.policy_logprobs(part.prompt_ids, part.response_ids, temperature)
+        members, keep = self.baseline_members(batch)[rows], batch.keep[rows]
+        return logprobs, mask, self.advantages(rewards[rows], logprobs, ref_logprobs, mask, members, keep), ref_seconds
 
     def loss(
         self,
