@@ -284,8 +284,7 @@ class Reinforce(Algorithm):
     name = "reinforce"
 
     def update(self, batch: StepBatch, backend: TrainerBackend, version: int) -> dict[str, float]:
-        alg, t = self.spec.algorithm, self.spec.training
-        temperature = self.spec.generation.temperature
+        alg, t, temperature = self.spec.algorithm, self.spec.training, self.spec.generation.temperature
         train_start = time.perf_counter()
         whole_batch, ref_seconds = None, 0.0
         rewards = shaped_rewards(batch, self.spec)
@@ -320,11 +319,10 @@ class Reinforce(Algorithm):
         grad_norm, lr = backend.optimizer_step()
         keep = batch.keep.reshape(-1)
         self.sample_values = SampleValues(kl, advantage_means)
+        rewards_with_kl = rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl
         return {
             "train_rollouts/init_policy_kl": kl[keep].mean().item(),
-            "train_rollouts/rewards_with_kl": (rewards.reshape(-1) - alg.initial_policy_kl_penalty * kl)[keep]
-            .mean()
-            .item(),
+            "train_rollouts/rewards_with_kl": rewards_with_kl[keep].mean().item(),
             "train_rollouts/overlong_penalty": (rewards - batch.rewards)[batch.keep].mean().item(),
             "train_optim/ppo_clip_fraction": clipped.mean(),
             "train_rollouts/advantages_abs": advantages_abs.mean(),
